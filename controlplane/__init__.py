@@ -1,0 +1,1 @@
+"""llmgw control plane: catalog, fleet state, publishing to Envoy, and the CLI."""

@@ -1,0 +1,1 @@
+"""Envoy xDS: translation to Envoy resources, snapshots, cache and the ADS server."""

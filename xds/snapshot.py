@@ -1,0 +1,191 @@
+"""Snapshots: frozen sets of serialized Envoy resources with content-derived versions.
+
+Owns the resource value (name, type, bytes, version), the per-type version, the
+consistency check (every cluster has its endpoints, every route names an existing
+cluster) and the two ways to make a snapshot: from a whole (catalog, endpoints) input,
+or by replacing one model's endpoints in an existing snapshot. The latter costs the
+size of the change, not of the fleet. Versions are hashes of content, so the same
+input always has the same version, across restarts too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import betterproto2
+from envoy_data_plane.envoy.config.cluster.v3 import Cluster
+from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment
+from envoy_data_plane.envoy.config.route.v3 import RouteConfiguration
+
+from controlplane.catalog import Catalog
+from controlplane.endpoints import Endpoint
+from xds import translate
+
+CLUSTER = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+LISTENER = "type.googleapis.com/envoy.config.listener.v3.Listener"
+ROUTE = "type.googleapis.com/envoy.config.route.v3.RouteConfiguration"
+# Make before break: a cluster exists before its endpoints, both before the
+# listener and routes that lead to them.
+ORDER: tuple[str, ...] = (CLUSTER, ENDPOINT, LISTENER, ROUTE)
+# Types Envoy subscribes to as a whole ("wildcard"); the others by name.
+WILDCARD_TYPES = frozenset({CLUSTER, LISTENER})
+SHORT = {CLUSTER: "cds", ENDPOINT: "eds", LISTENER: "lds", ROUTE: "rds"}
+
+
+class InconsistentSnapshot(ValueError):
+    """A snapshot refers to something it does not contain; it is never published."""
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One serialized Envoy resource. The version is a hash of its bytes."""
+
+    type_url: str
+    name: str
+    body: bytes
+    version: str
+
+    @classmethod
+    def of(cls, type_url: str, name: str, msg: betterproto2.Message) -> Resource:
+        body = bytes(msg)
+        return cls(type_url, name, body, _digest(body))
+
+
+def _type_version(resources: Mapping[str, Resource]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(resources):
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(resources[name].version.encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """An immutable, consistent set of resources for every type, with versions."""
+
+    resources: Mapping[str, Mapping[str, Resource]]
+    versions: Mapping[str, str]
+    # What the snapshot was built from, kept to patch endpoints and render status.
+    catalog: Catalog = field(compare=False)
+    # Cluster names referenced by each route config, for the consistency check.
+    route_clusters: Mapping[str, frozenset[str]] = field(compare=False)
+
+    def of_type(self, type_url: str) -> Mapping[str, Resource]:
+        return self.resources.get(type_url, MappingProxyType({}))
+
+    def version(self, type_url: str) -> str:
+        return self.versions.get(type_url, "")
+
+    def check(self) -> None:
+        """Raise InconsistentSnapshot if a name points at something missing."""
+        clusters = set(self.of_type(CLUSTER))
+        endpoints = set(self.of_type(ENDPOINT))
+        missing_eds = sorted(clusters - endpoints)
+        if missing_eds:
+            raise InconsistentSnapshot(f"clusters without endpoints resource: {missing_eds}")
+        orphans = sorted(endpoints - clusters)
+        if orphans:
+            raise InconsistentSnapshot(f"endpoints for unknown clusters: {orphans}")
+        for rc, names in self.route_clusters.items():
+            unknown = sorted(names - clusters)
+            if unknown:
+                raise InconsistentSnapshot(f"route config {rc!r} names unknown clusters {unknown}")
+        listeners = self.of_type(LISTENER)
+        if listeners and translate.ROUTE_CONFIG_NAME not in self.of_type(ROUTE):
+            raise InconsistentSnapshot(
+                f"listener uses route config {translate.ROUTE_CONFIG_NAME!r}, which is missing"
+            )
+
+    def with_endpoints(self, model: str, endpoints: Iterable[Endpoint]) -> Snapshot:
+        """A new snapshot in which one model's endpoints are replaced.
+
+        Costs the size of that model's assignment; everything else is shared.
+        """
+        name = translate.cluster_name(model)
+        if name not in self.of_type(CLUSTER):
+            raise InconsistentSnapshot(f"model {model!r} is not in the catalog")
+        cla = translate.build_load_assignment(name, endpoints)
+        new = dict(self.of_type(ENDPOINT))
+        new[name] = Resource.of(ENDPOINT, name, cla)
+        return _assemble(
+            {**self.resources, ENDPOINT: new}, self.catalog, self.route_clusters, self.versions
+        )
+
+
+def _assemble(
+    resources: Mapping[str, Mapping[str, Resource]],
+    catalog: Catalog,
+    route_clusters: Mapping[str, frozenset[str]],
+    old_versions: Mapping[str, str] | None = None,
+) -> Snapshot:
+    frozen = {t: MappingProxyType(dict(r)) for t, r in resources.items()}
+    versions = {}
+    for t, r in frozen.items():
+        # Unchanged types keep their version without re-hashing every name.
+        if old_versions is not None and t != ENDPOINT and t in old_versions:
+            versions[t] = old_versions[t]
+        else:
+            versions[t] = _type_version(r)
+    snap = Snapshot(
+        resources=MappingProxyType(frozen),
+        versions=MappingProxyType(versions),
+        catalog=catalog,
+        route_clusters=MappingProxyType(dict(route_clusters)),
+    )
+    snap.check()
+    return snap
+
+
+def build_snapshot(catalog: Catalog, endpoints: Iterable[Endpoint]) -> Snapshot:
+    """Translate a catalog plus Ready endpoints into a checked snapshot.
+
+    Endpoints of models not in the catalog are ignored (they cannot be routed to).
+    """
+    by_model: dict[str, list[Endpoint]] = {m.name: [] for m in catalog.models}
+    for ep in endpoints:
+        if ep.model in by_model:
+            by_model[ep.model].append(ep)
+    clusters: dict[str, Resource] = {}
+    assignments: dict[str, Resource] = {}
+    for m in catalog.models:
+        c: Cluster = translate.build_cluster(m)
+        clusters[c.name] = Resource.of(CLUSTER, c.name, c)
+        cla: ClusterLoadAssignment = translate.build_load_assignment(c.name, by_model[m.name])
+        assignments[c.name] = Resource.of(ENDPOINT, c.name, cla)
+    lst = translate.build_listener(catalog)
+    rc: RouteConfiguration = translate.build_routes(catalog)
+    used = frozenset(
+        r.route.cluster
+        for vh in rc.virtual_hosts
+        for r in vh.routes
+        if r.route is not None and r.route.cluster
+    )
+    return _assemble(
+        {
+            CLUSTER: clusters,
+            ENDPOINT: assignments,
+            LISTENER: {lst.name: Resource.of(LISTENER, lst.name, lst)},
+            ROUTE: {rc.name: Resource.of(ROUTE, rc.name, rc)},
+        },
+        catalog,
+        {rc.name: used},
+    )
+
+
+def make_snapshot(
+    resources: Mapping[str, Mapping[str, Resource]],
+    catalog: Catalog,
+    route_clusters: Mapping[str, frozenset[str]],
+) -> Snapshot:
+    """Assemble and check a snapshot from already-built resources (tests, tools)."""
+    return _assemble(resources, catalog, route_clusters)
