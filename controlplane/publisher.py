@@ -1,0 +1,94 @@
+"""The publisher: the single writer of what Envoy is told.
+
+Owns the current (catalog, endpoints by model) input and turns every change into a
+snapshot in the xDS cache. A catalog change rebuilds the whole snapshot; an endpoint
+change of one model patches only that model's assignment, so its cost follows the
+change, not the fleet. Endpoint sources (the static demo source now, the reconciler
+later) call `set_endpoints`; nothing else writes the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+from controlplane.catalog import Catalog
+from controlplane.endpoints import Endpoint
+from xds.cache import SnapshotCache
+from xds.snapshot import InconsistentSnapshot, Snapshot, build_snapshot
+
+log = logging.getLogger("llmgw.publisher")
+
+
+class Publisher:
+    def __init__(self, cache: SnapshotCache, catalog: Catalog) -> None:
+        self._cache = cache
+        self._catalog = catalog
+        self._endpoints: dict[str, tuple[Endpoint, ...]] = {}
+        self._snapshot: Snapshot | None = None
+
+    @property
+    def catalog(self) -> Catalog:
+        return self._catalog
+
+    def endpoints(self) -> Mapping[str, tuple[Endpoint, ...]]:
+        """Published endpoints by model: a copy of immutable tuples."""
+        return dict(self._endpoints)
+
+    def publish(self) -> bool:
+        """Build from the current input and hand it to the cache; True if it changed."""
+        snap = build_snapshot(
+            self._catalog, (e for eps in self._endpoints.values() for e in eps)
+        )
+        return self._set(snap)
+
+    def set_catalog(self, catalog: Catalog) -> bool:
+        """Apply a new catalog. An inconsistent result is refused; the last stays."""
+        snap = build_snapshot(catalog, (e for eps in self._endpoints.values() for e in eps))
+        changed = self._set(snap)
+        self._catalog = catalog
+        return changed
+
+    def set_endpoints(self, model: str, endpoints: Iterable[Endpoint]) -> bool:
+        """Replace one model's Ready endpoints; True if Envoy will be told."""
+        eps = tuple(sorted(set(endpoints)))
+        if any(e.model != model for e in eps):
+            raise ValueError(f"endpoints for another model passed as {model!r}")
+        if self._endpoints.get(model, ()) == eps:
+            return False
+        self._endpoints[model] = eps
+        if self._catalog.model(model) is None:
+            log.warning("endpoints for model %r, which is not in the catalog: not routed", model)
+            return False
+        if self._snapshot is None:
+            return self.publish()
+        try:
+            return self._set(self._snapshot.with_endpoints(model, eps))
+        except InconsistentSnapshot:
+            return self.publish()
+
+    def _set(self, snap: Snapshot) -> bool:
+        changed = self._cache.set_snapshot(snap)
+        self._snapshot = snap
+        return changed
+
+
+class EndpointSource(Protocol):
+    """Something that discovers Ready endpoints and hands them to the publisher."""
+
+    async def run(self, publisher: Publisher) -> None: ...
+
+
+class StaticSource:
+    """A fixed set of endpoints (the demo's engines before agents exist, tests)."""
+
+    def __init__(self, endpoints: Iterable[Endpoint]) -> None:
+        self._endpoints = tuple(endpoints)
+
+    async def run(self, publisher: Publisher) -> None:
+        by_model: dict[str, list[Endpoint]] = {}
+        for e in self._endpoints:
+            by_model.setdefault(e.model, []).append(e)
+        for model, eps in sorted(by_model.items()):
+            publisher.set_endpoints(model, eps)
