@@ -49,7 +49,7 @@ def render_status(doc: dict[str, Any], console: Console | None = None) -> None:
                 s.get("acked_version") or "-",
                 str(s.get("pushes", 0)),
                 str(s.get("nacks", 0)),
-                "-" if not nack else f"{_ago(nack['at'])}: {nack['message'][:160]}",
+                "-" if not nack else f"{_ago(nack['at'])}: {nack['message'][:1000]}",
             )
     if not xds.get("envoys"):
         envoys.add_row("[yellow]no Envoy connected[/]", "", "", "", "", "", "")

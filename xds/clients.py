@@ -24,6 +24,7 @@ class NackInfo:
 @dataclass(frozen=True)
 class TypeStatus:
     acked_version: str = ""
+    requests: int = 0
     acks: int = 0
     pushes: int = 0
     bytes_sent: int = 0
@@ -54,6 +55,7 @@ class ClientStatus:
             "types": {
                 SHORT.get(t, t): {
                     "acked_version": s.acked_version,
+                    "requests": s.requests,
                     "acks": s.acks,
                     "pushes": s.pushes,
                     "bytes_sent": s.bytes_sent,
@@ -97,6 +99,9 @@ class ClientRegistry:
 
     def _type(self, sid: int, type_url: str) -> TypeStatus:
         return self._live[sid].types.get(type_url, TypeStatus())
+
+    def requested(self, sid: int, type_url: str) -> None:
+        self._update(sid, type_url, requests=self._type(sid, type_url).requests + 1)
 
     def pushed(self, sid: int, type_url: str, size: int) -> None:
         ts = self._type(sid, type_url)

@@ -184,6 +184,7 @@ class AdsServer:
                         node = req.node.id  # type: ignore[attr-defined]
                         self.clients.identify(sid, node, req.node.cluster)  # type: ignore[attr-defined]
                         log.info("Envoy %s connected (%s, %s)", node, mode, context.peer())
+                    self.clients.requested(sid, req.type_url)  # type: ignore[attr-defined]
                     step = machine.receive(req)  # type: ignore[arg-type]
                 self._record(sid, mode, node, step)
                 for push in step.pushes:

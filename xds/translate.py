@@ -116,8 +116,9 @@ def build_cluster(model: Model) -> cluster.Cluster:
             interval=_s(r.outlier_interval_s),
             base_ejection_time=_s(r.outlier_base_ejection_s),
             max_ejection_percent=r.outlier_max_ejection_percent,
-            # A host that passes an active check again is back in service at once.
-            successful_active_health_check_uneject_host=True,
+            # Envoy's default lets one passing /health check un-eject a host, but an
+            # engine can pass /health while failing requests: the ejection must last.
+            successful_active_health_check_uneject_host=False,
         ),
         health_checks=[
             core.HealthCheck(
@@ -142,6 +143,9 @@ def build_cluster(model: Model) -> cluster.Cluster:
             ]
         ),
         track_cluster_stats=cluster.TrackClusterStats(per_endpoint_stats=True),
+        # With health checks on, Envoy otherwise keeps a host removed from EDS for as
+        # long as it passes them: a fenced or stopped replica would keep traffic.
+        ignore_health_on_host_removal=True,
     )
 
 

@@ -1,0 +1,125 @@
+"""The pure parts: catalog validation, translation and snapshot consistency."""
+
+from __future__ import annotations
+
+import pytest
+from envoy_data_plane.envoy.config.cluster.v3 import Cluster, ClusterLbPolicy
+from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment
+from envoy_data_plane.envoy.config.core.v3 import HealthStatus
+
+from controlplane.catalog import CatalogError, parse_catalog
+from controlplane.endpoints import Endpoint
+from xds.snapshot import (
+    CLUSTER,
+    ENDPOINT,
+    ROUTE,
+    InconsistentSnapshot,
+    Resource,
+    build_snapshot,
+    make_snapshot,
+)
+from xds.translate import build_cluster, cluster_name
+
+CAT = """
+models:
+  - name: model-a
+    aliases: [a, alpha]
+  - name: org/model-b:q4
+"""
+
+
+def test_catalog_errors_name_file_model_and_field() -> None:
+    with pytest.raises(CatalogError) as e:
+        parse_catalog("models:\n  - name: x\n    routing: {num_retries: -1}\n", "cat.yaml")
+    msg = str(e.value)
+    assert "cat.yaml" in msg and "model 'x'" in msg and "routing.num_retries" in msg
+
+
+def test_catalog_refuses_duplicate_names_and_aliases() -> None:
+    with pytest.raises(CatalogError, match="already used by model 'a'"):
+        parse_catalog("models:\n  - {name: a, aliases: [x]}\n  - {name: b, aliases: [x]}\n")
+    with pytest.raises(CatalogError, match="not valid YAML"):
+        parse_catalog("models: [", "bad.yaml")
+    with pytest.raises(CatalogError, match="unknown_field"):
+        parse_catalog("models:\n  - {name: a, unknown_field: 1}\n")
+
+
+def test_cluster_names_are_safe_and_distinct() -> None:
+    assert cluster_name("model-a") == "model-model-a"
+    a, b = cluster_name("org/m"), cluster_name("org_m")
+    assert a != b and "/" not in a
+
+
+def test_translation_is_deterministic_and_cluster_ignores_endpoints() -> None:
+    cat = parse_catalog(CAT)
+    one = build_snapshot(cat, [Endpoint("model-a", "127.0.0.1", 1)])
+    two = build_snapshot(cat, [Endpoint("model-a", "127.0.0.1", 2),
+                               Endpoint("model-a", "127.0.0.1", 3, draining=True)])
+    again = build_snapshot(cat, [Endpoint("model-a", "127.0.0.1", 1)])
+    assert dict(one.versions) == dict(again.versions)
+    for t in one.resources:
+        for n, r in one.of_type(t).items():
+            assert again.of_type(t)[n].body == r.body
+    # Endpoints changed: only the endpoint type's version moves.
+    diff = {t for t in one.versions if one.versions[t] != two.versions[t]}
+    assert diff == {ENDPOINT}
+    cla = ClusterLoadAssignment.parse(two.of_type(ENDPOINT)[cluster_name("model-a")].body)
+    statuses = [lb.health_status for lb in cla.endpoints[0].lb_endpoints]
+    assert statuses == [HealthStatus.UNKNOWN, HealthStatus.DRAINING]
+
+
+def test_cluster_settings() -> None:
+    cat = parse_catalog(CAT)
+    c = Cluster.parse(bytes(build_cluster(cat.models[0])))
+    assert c.lb_policy == ClusterLbPolicy.LEAST_REQUEST
+    assert c.outlier_detection is not None and c.outlier_detection.consecutive_5xx == 3
+    assert c.health_checks[0].http_health_check is not None
+    assert c.health_checks[0].http_health_check.path == "/health"
+    assert c.circuit_breakers is not None and c.circuit_breakers.thresholds[0].max_requests
+    assert c.common_lb_config is not None
+    assert c.common_lb_config.healthy_panic_threshold is not None
+    assert c.common_lb_config.healthy_panic_threshold.value == 0.0
+    assert c.load_assignment is None  # endpoints travel alone, over EDS
+
+
+def test_with_endpoints_touches_one_assignment() -> None:
+    cat = parse_catalog(CAT)
+    snap = build_snapshot(cat, [])
+    nxt = snap.with_endpoints("model-a", [Endpoint("model-a", "127.0.0.1", 9)])
+    changed = [n for n, r in nxt.of_type(ENDPOINT).items()
+               if snap.of_type(ENDPOINT)[n].version != r.version]
+    assert changed == [cluster_name("model-a")]
+    assert nxt.of_type(CLUSTER) == snap.of_type(CLUSTER)
+    with pytest.raises(InconsistentSnapshot):
+        snap.with_endpoints("not-in-catalog", [])
+
+
+def test_inconsistent_snapshots_are_refused() -> None:
+    cat = parse_catalog(CAT)
+    snap = build_snapshot(cat, [])
+    res = {t: dict(snap.of_type(t)) for t in snap.resources}
+    # A route naming a cluster that does not exist.
+    with pytest.raises(InconsistentSnapshot, match="unknown clusters"):
+        make_snapshot(res, cat, {"llmgw": frozenset({"model-ghost"})})
+    # A cluster without its endpoints resource.
+    no_eds = {**res, ENDPOINT: {}}
+    with pytest.raises(InconsistentSnapshot, match="without endpoints"):
+        make_snapshot(no_eds, cat, dict(snap.route_clusters))
+    # A listener whose route config is missing.
+    no_rds = {**res, ROUTE: {}}
+    with pytest.raises(InconsistentSnapshot, match="route config"):
+        make_snapshot(no_rds, cat, {})
+    # Orphan endpoints.
+    orphan = {**res, ENDPOINT: {**res[ENDPOINT], "model-x": Resource(ENDPOINT, "model-x", b"",
+                                                                       "v")}}
+    with pytest.raises(InconsistentSnapshot, match="unknown clusters"):
+        make_snapshot(orphan, cat, dict(snap.route_clusters))
+
+
+def test_models_list_has_names_and_aliases() -> None:
+    import json
+
+    from xds.translate import models_list_body
+
+    body = json.loads(models_list_body(parse_catalog(CAT)))
+    assert [d["id"] for d in body["data"]] == ["model-a", "a", "alpha", "org/model-b:q4"]
