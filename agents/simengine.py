@@ -62,8 +62,8 @@ class _Metrics:
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", lbl,
                               registry=r, buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08,
                                                    0.1, 0.25, 0.5, 1, 2.5, 5, 10))
-        self.success = Counter("vllm:request_success", "Finished requests", lbl + ["finished_reason"],
-                               registry=r)
+        self.success = Counter("vllm:request_success", "Finished requests",
+                               [*lbl, "finished_reason"], registry=r)
         self.model = model
         for g in (self.running, self.waiting, self.kv):
             g.labels(model).set(0)

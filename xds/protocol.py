@@ -190,16 +190,16 @@ class SotwStream(_Machine):
             st.known.pop(gone, None)
         st.names = names
         snap = self._snap
-        if snap is not None and not req.response_nonce and req.version_info:
-            # Reconnect: Envoy already holds version_info. If that is what we have,
-            # it needs nothing.
-            if content_version(req.version_info) == snap.version(t):
-                cur = snap.of_type(t)
-                for n in self._targets(t, st, snap):
-                    if n in cur:
-                        st.known[n] = cur[n].version
-                if st.wildcard:
-                    st.last_full = dict(cur)
+        reconnect = snap is not None and not req.response_nonce and req.version_info
+        # Reconnect: Envoy already holds version_info. If that is what we have, it
+        # needs nothing.
+        if snap is not None and reconnect and content_version(req.version_info) == snap.version(t):
+            cur = snap.of_type(t)
+            for n in self._targets(t, st, snap):
+                if n in cur:
+                    st.known[n] = cur[n].version
+            if st.wildcard:
+                st.last_full = dict(cur)
         if snap is not None:
             self._push_type(t, st, snap, step)
         return step

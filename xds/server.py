@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -23,7 +23,7 @@ from prometheus_client import Counter, Gauge
 
 from xds.cache import SnapshotCache
 from xds.clients import ClientRegistry, NackInfo
-from xds.protocol import Ack, DeltaStream, Nack, Push, SotwStream, Stale, Step
+from xds.protocol import Ack, DeltaStream, Event, Nack, Push, SotwStream, Stale, Step
 from xds.snapshot import SHORT
 
 log = logging.getLogger("llmgw.xds")
@@ -66,6 +66,7 @@ class AdsServer:
         self._acks = 0
         self._stale = 0
         self.port = 0
+        self._listeners: list[Callable[[str, Event], None]] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -118,6 +119,10 @@ class AdsServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+
+    def add_listener(self, cb: Callable[[str, Event], None]) -> None:
+        """Call cb(node_id, event) for every ACK, NACK and stale request (tools, benches)."""
+        self._listeners.append(cb)
 
     def stats(self) -> ServerStats:
         return ServerStats(dict(self._pushes), dict(self._bytes), self._nacks, self._acks,
@@ -221,6 +226,8 @@ class AdsServer:
             elif isinstance(ev, Stale):
                 self._stale += 1
                 STALE.labels(mode).inc()
+            for cb in self._listeners:
+                cb(node, ev)
 
     def _count(self, sid: int, mode: str, push: Push, size: int) -> None:
         short = SHORT.get(push.type_url, push.type_url)

@@ -41,6 +41,7 @@ METADATA_KEY = "model"
 MISSING_MODEL = "__missing__"
 INVALID_BODY = "__invalid__"
 
+MAX_MODELS_LIST_BYTES = 4 * 1024 * 1024
 _ADS = core.ConfigSource(ads=core.AggregatedConfigSource(), resource_api_version=core.ApiVersion.V3)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -162,7 +163,9 @@ def build_load_assignment(
                         socket_address=core.SocketAddress(address=ep.host, port_value=ep.port)
                     )
                 ),
-                health_status=core.HealthStatus.DRAINING if ep.draining else core.HealthStatus.UNKNOWN,
+                health_status=(
+                    core.HealthStatus.DRAINING if ep.draining else core.HealthStatus.UNKNOWN
+                ),
                 load_balancing_weight=ep.weight,
             )
         )
@@ -256,8 +259,12 @@ def build_listener(catalog: Catalog) -> listener.Listener:
         codec_type=hcm.HttpConnectionManagerCodecType.AUTO,
         rds=hcm.Rds(config_source=_ADS, route_config_name=ROUTE_CONFIG_NAME),
         http_filters=[
-            hcm.HttpFilter(name="envoy.filters.http.json_to_metadata", typed_config=Any.pack(j2m_cfg)),
-            hcm.HttpFilter(name="envoy.filters.http.router", typed_config=Any.pack(router.Router())),
+            hcm.HttpFilter(
+                name="envoy.filters.http.json_to_metadata", typed_config=Any.pack(j2m_cfg)
+            ),
+            hcm.HttpFilter(
+                name="envoy.filters.http.router", typed_config=Any.pack(router.Router())
+            ),
         ],
         local_reply_config=_local_reply_config(),
         # Requests are bounded by stream idle time only: generations can be long.
@@ -405,5 +412,8 @@ def build_routes(catalog: Catalog) -> route.RouteConfiguration:
     ]
     return route.RouteConfiguration(
         name=ROUTE_CONFIG_NAME,
+        # Envoy's default cap of 4 KiB on direct responses is too small for the
+        # /v1/models list of a large catalog (seen NACKed at 100 models).
+        max_direct_response_body_size_bytes=MAX_MODELS_LIST_BYTES,
         virtual_hosts=[route.VirtualHost(name="llmgw", domains=["*"], routes=routes)],
     )
