@@ -115,8 +115,9 @@ def plot(rows: list[dict[str, float]], path: Path) -> None:
         axes[0].plot(xs, [r["latency_p50_ms"] for r in rs], marker="o", label=mode)
         axes[1].plot(xs, [r["cpu_per_change_ms"] for r in rs], marker="o", label=mode)
         axes[2].plot(xs, [r["bytes_per_change"] for r in rs], marker="o", label=mode)
-    for ax, title in zip(axes, ["change -> Envoy ACK, p50 (ms)", "control-plane CPU per change (ms)",
-                                "bytes sent per change"], strict=True):
+    titles = ["change -> Envoy ACK, p50 (ms)", "control-plane CPU per change (ms)",
+              "bytes sent per change"]
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log")
         ax.set_xlabel("endpoints in fleet")
         ax.set_title(title)
