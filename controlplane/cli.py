@@ -59,6 +59,36 @@ def main(ctx: click.Context, verbose: bool) -> None:
     _setup_logging(verbose)
 
 
+# ---------------------------------------------------------------------- secrets
+
+TOKEN_ENV = "LLMGW_AGENT_TOKEN"
+
+
+def _read_token(token_file: str | None) -> str | None:
+    """The agent token from --token-file, else $LLMGW_AGENT_TOKEN; never logged."""
+    import os
+
+    if token_file:
+        try:
+            token = Path(token_file).read_text().strip()
+        except OSError as e:
+            raise click.ClickException(
+                f"cannot read token file {token_file}: {e.strerror}") from None
+        if not token:
+            raise click.ClickException(f"token file {token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise click.ClickException(f"cannot read {path}: {e.strerror}") from None
+
+
 # ---------------------------------------------------------------------- controlplane
 
 
@@ -89,9 +119,28 @@ def _parse_endpoint(
               metavar="MODEL=HOST:PORT",
               help="A static engine endpoint to publish (repeatable), for engines not run "
                    "by agents.")
+@click.option("--agents", default="127.0.0.1:18002", show_default=True, callback=_hostport,
+              help="Address of the agent gRPC server.")
+@click.option("--agent-token-file", type=click.Path(dir_okay=False), default=None,
+              help=f"File holding the shared agent token (default: ${TOKEN_ENV}).")
+@click.option("--no-agent-auth", is_flag=True,
+              help="Accept agents without a token (never on a shared network).")
+@click.option("--tls-cert", type=click.Path(dir_okay=False), help="Agent server TLS certificate.")
+@click.option("--tls-key", type=click.Path(dir_okay=False), help="Agent server TLS key.")
+@click.option("--tls-client-ca", type=click.Path(dir_okay=False),
+              help="CA for agent client certificates (turns on mTLS).")
+@click.option("--unreachable-after", default=5.0, show_default=True,
+              help="Seconds without heartbeats before a node is Unreachable.")
+@click.option("--lost-after", default=30.0, show_default=True,
+              help="Seconds without heartbeats before a node is Lost.")
 def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
-                 endpoints: list[Endpoint]) -> None:
-    """Run the control plane: xDS server, publisher and status API."""
+                 endpoints: list[Endpoint], agents: tuple[str, int],
+                 agent_token_file: str | None, no_agent_auth: bool, tls_cert: str | None,
+                 tls_key: str | None, tls_client_ca: str | None, unreachable_after: float,
+                 lost_after: float) -> None:
+    """Run the control plane: agent server, inventory, xDS server and status API."""
+    from controlplane.agent_server import AgentAuth
+    from controlplane.inventory import Inventory
     from controlplane.publisher import StaticSource
     from controlplane.runtime import ControlPlane
 
@@ -99,15 +148,27 @@ def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
         catalog = load_catalog(catalog_path)
     except CatalogError as e:
         raise click.ClickException(str(e)) from None
+    token = _read_token(agent_token_file)
+    if token is None and not no_agent_auth:
+        raise click.ClickException(
+            f"agents must authenticate: set ${TOKEN_ENV} or --agent-token-file "
+            "(or pass --no-agent-auth on a trusted machine)")
+    auth = AgentAuth(token=token, server_cert=_read(tls_cert), server_key=_read(tls_key),
+                     client_ca=_read(tls_client_ca))
+    if lost_after <= unreachable_after:
+        raise click.BadParameter("--lost-after must be longer than --unreachable-after")
 
     async def run() -> None:
-        cp = ControlPlane(catalog, xds=xds, api=api, sources=[StaticSource(endpoints)])
+        inventory = Inventory(unreachable_after=unreachable_after, lost_after=lost_after)
+        cp = ControlPlane(catalog, xds=xds, api=api, sources=[StaticSource(endpoints)],
+                          agents=agents, agent_auth=auth, inventory=inventory,
+                          lease_s=lost_after)
         try:
             await cp.start()
         except OSError as e:
             raise click.ClickException(str(e)) from None
-        click.echo(f"control plane up: xDS on {xds[0]}:{cp.xds_port}, "
-                   f"status on http://{api[0]}:{cp.api_port}/status")
+        click.echo(f"control plane up: agents on {agents[0]}:{cp.agents_port}, xDS on "
+                   f"{xds[0]}:{cp.xds_port}, status on http://{api[0]}:{cp.api_port}/status")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -119,6 +180,67 @@ def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
         await cp.stop()
 
     asyncio.run(run())
+
+
+# ---------------------------------------------------------------------- agent
+
+
+def _labels(_: click.Context, __: click.Parameter, values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        k, sep, val = v.partition("=")
+        if not sep or not k:
+            raise click.BadParameter(f"{v!r}: expected KEY=VALUE")
+        out[k] = val
+    return out
+
+
+@main.command()
+@click.option("--control-plane", required=True, metavar="HOST:PORT",
+              help="The control plane's agent server.")
+@click.option("--node", required=True, help="This node's unique name.")
+@click.option("--simulate-gpus", metavar="SPEC",
+              help="Declare GPUs instead of reading NVML, e.g. 4xH100-80GB.")
+@click.option("--label", "labels", multiple=True, callback=_labels, metavar="KEY=VALUE",
+              help="Node label for catalog pools (repeatable).")
+@click.option("--token-file", type=click.Path(dir_okay=False),
+              help=f"File holding the shared agent token (default: ${TOKEN_ENV}).")
+@click.option("--advertise", default="127.0.0.1", show_default=True,
+              help="Address Envoy uses to reach this node's engines.")
+@click.option("--bind", default="127.0.0.1", show_default=True,
+              help="Address engines listen on.")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Where running replicas are recorded (default: /tmp/llmgw-agent-NODE).")
+@click.option("--heartbeat", default=1.0, show_default=True, help="Seconds between heartbeats.")
+@click.option("--fence-after", default=60.0, show_default=True,
+              help="Stop all engines after this many seconds without a lease renewal; keep "
+                   "it above the control plane's --lost-after.")
+@click.option("--tls-ca", type=click.Path(dir_okay=False), help="CA of the control plane cert.")
+@click.option("--tls-cert", type=click.Path(dir_okay=False), help="Client certificate (mTLS).")
+@click.option("--tls-key", type=click.Path(dir_okay=False), help="Client key (mTLS).")
+@click.option("--tls-server-name", help="Name to verify on the control plane certificate.")
+def agent(control_plane: str, node: str, simulate_gpus: str | None, labels: dict[str, str],
+          token_file: str | None, advertise: str, bind: str, state_dir: str | None,
+          heartbeat: float, fence_after: float, tls_ca: str | None, tls_cert: str | None,
+          tls_key: str | None, tls_server_name: str | None) -> None:
+    """Run a node agent: report GPUs, run engine replicas the control plane asks for."""
+    from agents.agent import AgentConfig, run_agent
+    from agents.gpus import GpuError, discover
+
+    try:
+        gpus, source = discover(simulate_gpus, node)
+    except GpuError as e:
+        raise click.ClickException(str(e)) from None
+    cfg = AgentConfig(
+        control_plane=control_plane, node=node, gpus=gpus, token=_read_token(token_file),
+        labels=labels, advertise=advertise, bind=bind,
+        state_dir=Path(state_dir or f"/tmp/llmgw-agent-{node}"), heartbeat_s=heartbeat,
+        fence_after_s=fence_after, tls_ca=_read(tls_ca), tls_cert=_read(tls_cert),
+        tls_key=_read(tls_key), tls_server_name=tls_server_name,
+    )
+    logging.getLogger("llmgw.agent").info(
+        "agent %s: %d GPUs (%s), control plane %s", node, len(gpus), source, control_plane)
+    asyncio.run(run_agent(cfg))
 
 
 # ---------------------------------------------------------------------- envoy

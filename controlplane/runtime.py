@@ -14,7 +14,9 @@ from collections.abc import Sequence
 import grpc
 from aiohttp import web
 
+from controlplane.agent_server import AgentAuth, AgentServer
 from controlplane.catalog import Catalog
+from controlplane.inventory import Inventory
 from controlplane.publisher import EndpointSource, Publisher
 from controlplane.status_api import start_api, status_document
 from xds.cache import SnapshotCache
@@ -32,6 +34,10 @@ class ControlPlane:
         api: tuple[str, int] | None = ("127.0.0.1", 18001),
         sources: Sequence[EndpointSource] = (),
         xds_credentials: grpc.ServerCredentials | None = None,
+        agents: tuple[str, int] | None = None,
+        agent_auth: AgentAuth | None = None,
+        inventory: Inventory | None = None,
+        lease_s: float = 30.0,
     ) -> None:
         self.cache = SnapshotCache()
         self.ads = AdsServer(self.cache)
@@ -45,8 +51,19 @@ class ControlPlane:
         self.xds_port = 0
         self.api_port = 0
         self.failed = asyncio.Event()
+        self.inventory = inventory or Inventory()
+        self._agents_addr = agents
+        self.agents: AgentServer | None = None
+        if agents is not None:
+            if agent_auth is None:
+                raise ValueError("an agent server needs AgentAuth (a token at least)")
+            self.agents = AgentServer(self.inventory, agent_auth, lease_s=lease_s)
+        self.agents_port = 0
 
     async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self.inventory.run()))
+        if self.agents is not None and self._agents_addr is not None:
+            self.agents_port = await self.agents.start(*self._agents_addr)
         self.publisher.publish()
         self.xds_port = await self.ads.start(*self._xds, credentials=self._creds)
         if self._api is not None:
@@ -73,4 +90,6 @@ class ControlPlane:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.agents is not None:
+            await self.agents.stop()
         await self.ads.stop()
