@@ -61,11 +61,13 @@ class EngineProc:
             r.read()
 
 
-def start_engine(replica_id: str, tokens_per_s: float = 100.0) -> EngineProc:
+def start_engine(replica_id: str, tokens_per_s: float = 100.0,
+                 extra: tuple[str, ...] = ()) -> EngineProc:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "agents.simengine", "--port", str(port), "--model", "pool",
-         "--replica-id", replica_id, "--ttft", "0.005", "--tokens-per-s", str(tokens_per_s)],
+         "--replica-id", replica_id, "--ttft", "0.005", "--tokens-per-s", str(tokens_per_s),
+         *extra],
         start_new_session=True,
     )
     return EngineProc(replica_id, port, proc)
