@@ -377,3 +377,49 @@ async def test_bad_token_and_malformed_messages_are_refused(
     for a in fleet.procs:
         assert TOKEN not in a.log.read_text()
         assert "not-the-token" not in a.log.read_text()
+
+
+# ------------------------------------------------------------------ TLS
+
+
+async def test_mtls_agent_channel(tmp_path: Path) -> None:
+    from .certs import issue, make_ca
+
+    ca, ca_key, ca_name = make_ca()
+    server = issue(ca_key, ca_name, "controlplane.llmgw.test", server=True)
+    client = issue(ca_key, ca_name, "gpu-a", server=False)
+    rogue_ca, rogue_key, rogue_name = make_ca("rogue CA")
+    rogue = issue(rogue_key, rogue_name, "gpu-x", server=False)
+    files = {}
+    for name, data in [("ca.pem", ca.cert), ("client.pem", client.cert),
+                       ("client.key", client.key), ("rogue.pem", rogue.cert),
+                       ("rogue.key", rogue.key)]:
+        files[name] = tmp_path / name
+        files[name].write_bytes(data)
+    f = Fleet(tmp_path)
+    inv = Inventory(unreachable_after=UNREACHABLE, lost_after=LOST, tick_interval=0.05)
+    f.cp = ControlPlane(parse_catalog("models: [{name: m}]"), xds=("127.0.0.1", 0), api=None,
+                        agents=("127.0.0.1", f.agents_port),
+                        agent_auth=AgentAuth(token=TOKEN, server_cert=server.cert,
+                                             server_key=server.key, client_ca=ca.cert),
+                        inventory=inv, lease_s=LOST)
+    await f.cp.start()
+    try:
+        tls = ("--tls-ca", str(files["ca.pem"]), "--tls-server-name",
+               "controlplane.llmgw.test")
+        f.agent("gpu-a", *tls, "--tls-cert", str(files["client.pem"]), "--tls-key",
+                str(files["client.key"]))
+        await f.node_state("gpu-a", NodeState.READY)
+        # A certificate from another CA, and no certificate at all, are refused.
+        x = f.agent("gpu-x", *tls, "--tls-cert", str(files["rogue.pem"]), "--tls-key",
+                    str(files["rogue.key"]))
+        y = f.agent("gpu-y", *tls)
+        plain = f.agent("gpu-p")  # plaintext against a TLS server
+
+        async def all_refused() -> bool:
+            return all("reconnecting" in a.log.read_text() for a in (x, y, plain))
+
+        await wait_for(all_refused, 20, "agents without a trusted certificate to fail")
+        assert [n.name for n in inv.view().nodes] == ["gpu-a"]
+    finally:
+        await f.close()
