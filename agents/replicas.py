@@ -89,6 +89,7 @@ class ReplicaManager:
         on_change: Callable[[ReplicaStatus], None] = lambda s: None,
         startup_timeout: float = 900.0,
         stop_timeout: float = 10.0,
+        drain_grace_s: float = 1.0,
     ) -> None:
         self.state_dir = state_dir
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -98,6 +99,7 @@ class ReplicaManager:
         self.on_change = on_change
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
+        self.drain_grace_s = drain_grace_s
         self._replicas: dict[str, Replica] = {}
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -201,6 +203,9 @@ class ReplicaManager:
             return
         self._set(r, ReplicaState.DRAINING, f"draining (up to {timeout_s:.0f}s)")
         deadline = time.monotonic() + max(0.0, timeout_s)
+        # Give the data plane time to see DRAINING before "no requests" can be
+        # trusted: a request may still be on its way from Envoy.
+        await asyncio.sleep(min(self.drain_grace_s, max(0.0, timeout_s)))
         while time.monotonic() < deadline:
             n = await self._in_flight(r)
             if n is not None and n != r.in_flight:

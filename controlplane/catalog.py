@@ -7,6 +7,8 @@ mutate. Validation errors name the file, the model and the field.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -53,14 +55,70 @@ class Routing(_Frozen):
     max_retries: int = Field(64, ge=0)
 
 
+ENGINES = ("vllm", "sglang", "llamacpp", "sim")
+
+
+class Profile(_Frozen):
+    """How to run one replica: engine, weights, arguments and the GPUs it needs.
+
+    A model lists profiles in order of preference; placement uses the first that fits
+    a node (e.g. one H100, else two A100s).
+    """
+
+    name: str = "default"
+    engine: str = "vllm"
+    model_path: str = ""
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = Field(default_factory=dict)
+    gpus: int = Field(1, ge=0, le=64)
+    # Minimum memory of each GPU, in MiB; 0: any.
+    gpu_memory_mb: int = Field(0, ge=0)
+    # Substring of the GPU product name every GPU must have ("H100"); None: any.
+    gpu_model: str | None = None
+    # Higher places first when GPUs are short.
+    priority: int = 0
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_ok(cls, v: str) -> str:
+        if v not in ENGINES:
+            raise ValueError(f"unknown engine {v!r} (one of {', '.join(ENGINES)})")
+        return v
+
+    @model_validator(mode="after")
+    def _path(self) -> Profile:
+        if self.engine != "sim" and not self.model_path:
+            raise ValueError(f"engine {self.engine} needs model_path")
+        return self
+
+    @property
+    def hash(self) -> str:
+        """Identity of what a replica runs: a change means the replica is replaced."""
+        doc = self.model_dump(mode="json", exclude={"priority", "name"})
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:12]
+
+
 class Model(_Frozen):
-    """One servable model: its public name, aliases and routing settings."""
+    """One servable model: names, replica bounds, where and how it runs, routing."""
 
     name: str
     aliases: tuple[str, ...] = ()
     routing: Routing = Routing()
     min_replicas: int = Field(1, ge=0)
     max_replicas: int = Field(1, ge=0)
+    # Node labels a node must carry (all of them) to run this model.
+    pool: dict[str, str] = Field(default_factory=dict)
+    profiles: tuple[Profile, ...] = (Profile(engine="sim"),)
+    # Seconds a draining replica gets to finish in-flight requests before it stops.
+    drain_timeout_s: float = Field(120.0, ge=0)
+
+    @property
+    def priority(self) -> int:
+        return max((p.priority for p in self.profiles), default=0)
+
+    @property
+    def profile_hashes(self) -> frozenset[str]:
+        return frozenset(p.hash for p in self.profiles)
 
     @field_validator("name")
     @classmethod
@@ -79,6 +137,11 @@ class Model(_Frozen):
 
     @model_validator(mode="after")
     def _bounds(self) -> Model:
+        if not self.profiles:
+            raise ValueError("at least one profile is required")
+        names = [p.name for p in self.profiles]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate profile names {names}")
         if self.max_replicas < self.min_replicas:
             raise ValueError(
                 f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})"

@@ -133,11 +133,16 @@ def _parse_endpoint(
               help="Seconds without heartbeats before a node is Unreachable.")
 @click.option("--lost-after", default=30.0, show_default=True,
               help="Seconds without heartbeats before a node is Lost.")
+@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
+              help="Where the control plane remembers its nodes across restarts.")
+@click.option("--startup-grace", default=15.0, show_default=True,
+              help="After a start, wait this long (or until every remembered node is "
+                   "back) before publishing to Envoy or placing replicas.")
 def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
                  endpoints: list[Endpoint], agents: tuple[str, int],
                  agent_token_file: str | None, no_agent_auth: bool, tls_cert: str | None,
                  tls_key: str | None, tls_client_ca: str | None, unreachable_after: float,
-                 lost_after: float) -> None:
+                 lost_after: float, state_dir: str | None, startup_grace: float) -> None:
     """Run the control plane: agent server, inventory, xDS server and status API."""
     from controlplane.agent_server import AgentAuth
     from controlplane.inventory import Inventory
@@ -162,7 +167,9 @@ def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
         inventory = Inventory(unreachable_after=unreachable_after, lost_after=lost_after)
         cp = ControlPlane(catalog, xds=xds, api=api, sources=[StaticSource(endpoints)],
                           agents=agents, agent_auth=auth, inventory=inventory,
-                          lease_s=lost_after)
+                          lease_s=lost_after, catalog_path=Path(catalog_path),
+                          startup_grace_s=startup_grace,
+                          state_dir=Path(state_dir) if state_dir else None)
         try:
             await cp.start()
         except OSError as e:
@@ -321,6 +328,36 @@ def status(url: str, as_json: bool) -> None:
     render_status(doc)
 
 
+def _node_command(url: str, node: str, verb: str) -> None:
+    req = urllib.request.Request(f"{url.rstrip('/')}/nodes/{node}/{verb}", method="POST",
+                                 data=b"")
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            click.echo(json.loads(r.read())["message"])
+    except urllib.error.HTTPError as e:
+        raise click.ClickException(json.loads(e.read()).get("error", str(e))) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise click.ClickException(f"cannot reach the control plane at {url}: {e}") from None
+
+
+@main.command()
+@click.argument("node")
+@click.option("--url", default="http://127.0.0.1:18001", show_default=True,
+              help="The control plane's status API.")
+def drain(node: str, url: str) -> None:
+    """Move every replica off NODE (new ones start elsewhere first), then keep it empty."""
+    _node_command(url, node, "drain")
+
+
+@main.command()
+@click.argument("node")
+@click.option("--url", default="http://127.0.0.1:18001", show_default=True,
+              help="The control plane's status API.")
+def uncordon(node: str, url: str) -> None:
+    """Let NODE take replicas again after `llmgw drain`."""
+    _node_command(url, node, "uncordon")
+
+
 # ---------------------------------------------------------------------- catalog
 
 
@@ -350,17 +387,28 @@ def catalog_validate(file: str) -> None:
 @click.option("--delta", is_flag=True, help="Drive Envoy with delta xDS.")
 @click.option("--exit-after", type=float, default=None, hidden=True,
               help="Stop by itself after this many seconds (for tests).")
-def demo(catalog_path: str | None, delta: bool, exit_after: float | None) -> None:
-    """Run everything on this machine: control plane, simulated engines and Envoy.
+@click.option("--ports", "port_list", default=None, hidden=True,
+              metavar="LISTENER,ADMIN,XDS,API,AGENTS", help="Other ports (for tests).")
+def demo(catalog_path: str | None, delta: bool, exit_after: float | None,
+         port_list: str | None) -> None:
+    """Run everything on this machine: control plane, 3 agents, engines and Envoy.
 
     Envoy listens on 127.0.0.1:10000 (admin 127.0.0.1:9901); the control plane's xDS
-    server is on 18000 and its status API on 18001.
+    server is on 18000, its status API on 18001 and its agent server on 18002. The
+    catalog hot-reloads: edit it and watch `llmgw status`.
     """
-    from controlplane.demo import DEMO_CATALOG, run_demo
+    from controlplane.demo import DEMO_CATALOG, DemoPorts, run_demo
 
     path = Path(catalog_path) if catalog_path else DEMO_CATALOG
+    ports = DemoPorts()
+    if port_list:
+        try:
+            listener, admin, xds, api, agents = (int(x) for x in port_list.split(","))
+        except ValueError:
+            raise click.BadParameter("--ports takes 5 numbers") from None
+        ports = DemoPorts(listener, admin, xds, api, agents)
     try:
-        rc = asyncio.run(run_demo(path, delta=delta, exit_after=exit_after))
+        rc = asyncio.run(run_demo(path, ports=ports, delta=delta, exit_after=exit_after))
     except CatalogError as e:
         raise click.ClickException(str(e)) from None
     sys.exit(rc)

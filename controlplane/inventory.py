@@ -43,6 +43,10 @@ class ReplicaState(StrEnum):
     FAILED = "failed"
 
 
+LIVE_STATES = frozenset({ReplicaState.REQUESTED, ReplicaState.STARTING, ReplicaState.READY,
+                         ReplicaState.DRAINING})
+
+
 @dataclass(frozen=True)
 class Gpu:
     index: int
@@ -63,6 +67,13 @@ class Replica:
     profile_hash: str = ""
     message: str = ""
     pid: int = 0
+    # Reported by a node that came back after Lost: replaced elsewhere meanwhile, so
+    # never routed to again and stopped by the reconciler.
+    stale: bool = False
+
+    @property
+    def live(self) -> bool:
+        return self.state in LIVE_STATES
 
 
 @dataclass(frozen=True)
@@ -89,9 +100,12 @@ class Node:
 
     @property
     def used_gpus(self) -> frozenset[int]:
-        live = {ReplicaState.REQUESTED, ReplicaState.STARTING, ReplicaState.READY,
-                ReplicaState.DRAINING}
-        return frozenset(i for r in self.replicas if r.state in live for i in r.gpu_indices)
+        return frozenset(i for r in self.replicas if r.live for i in r.gpu_indices)
+
+    @property
+    def free_gpus(self) -> tuple[Gpu, ...]:
+        used = self.used_gpus
+        return tuple(g for g in self.gpus if g.index not in used)
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,14 @@ class StartRequested:
 
 
 @dataclass(frozen=True)
+class DrainRequested:
+    """The control plane decided to drain a replica: it is DRAINING from now on."""
+
+    node: str
+    replica_id: str
+
+
+@dataclass(frozen=True)
 class Forget:
     """Drop a replica record (after it stopped and the control plane is done with it)."""
 
@@ -161,7 +183,8 @@ class Tick:
     pass
 
 
-InventoryEvent = Register | Heartbeat | Status | Disconnect | StartRequested | Forget | Tick
+InventoryEvent = (Register | Heartbeat | Status | Disconnect | StartRequested | DrainRequested
+                  | Forget | Tick)
 
 
 class Rejected(Exception):
@@ -264,6 +287,8 @@ class Inventory:
                 raise Rejected("NOT_FOUND", f"unknown node {ev.node!r}")
             rec.replicas[ev.replica.replica_id] = ev.replica
             changed = True
+        elif isinstance(ev, DrainRequested):
+            changed = self._drain(ev)
         elif isinstance(ev, Forget):
             found = self._records.get(ev.node)
             changed = found is not None and found.replicas.pop(ev.replica_id, None) is not None
@@ -295,7 +320,13 @@ class Inventory:
                                f"stale registration of {ev.node!r}: generation "
                                f"{ev.generation} <= {rec.node.generation}")
         returned = rec is not None and rec.node.state == NodeState.LOST
-        replicas = {r.replica_id: r for r in ev.replicas}
+        replicas = {r.replica_id: replace(r, stale=returned or r.stale) for r in ev.replicas}
+        if rec is not None and not returned:
+            # Stale stays stale across reconnects.
+            for rid, r in replicas.items():
+                old = rec.replicas.get(rid)
+                if old is not None and old.stale:
+                    replicas[rid] = replace(r, stale=True)
         if rec is not None and not returned:
             # Keep what the control plane asked for and the agent has not reported yet.
             for rid, r in rec.replicas.items():
@@ -319,6 +350,14 @@ class Inventory:
         self._records[ev.node] = _NodeRecord(node, ev.stream_id, None, replicas)
         return True
 
+    def _drain(self, ev: DrainRequested) -> bool:
+        rec = self._records.get(ev.node)
+        r = rec.replicas.get(ev.replica_id) if rec else None
+        if rec is None or r is None or not r.live or r.state == ReplicaState.DRAINING:
+            return False
+        rec.replicas[ev.replica_id] = replace(r, state=ReplicaState.DRAINING)
+        return True
+
     def _heartbeat(self, ev: Heartbeat, now: float) -> bool:
         rec = self._current(ev.node, ev.stream_id)
         if rec.node.state == NodeState.LOST:
@@ -340,9 +379,17 @@ class Inventory:
         rec = self._current(ev.node, ev.stream_id)
         r = ev.replica
         if r.replica_id not in rec.replicas:
+            if not r.live:
+                # A late "stopped" for a replica the control plane already forgot.
+                return False
             raise Rejected("INVALID_ARGUMENT",
                            f"unknown replica id {r.replica_id!r} on node {ev.node!r}")
         old = rec.replicas[r.replica_id]
+        r = replace(r, stale=old.stale)
+        if old.state == ReplicaState.DRAINING and r.state in (ReplicaState.STARTING,
+                                                               ReplicaState.READY):
+            # The agent has not seen the drain yet: it stays draining.
+            r = replace(r, state=ReplicaState.DRAINING)
         rec.replicas[r.replica_id] = r
         rec.node = replace(rec.node, last_seen=now)
         if old.state != r.state:

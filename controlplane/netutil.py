@@ -28,7 +28,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now.
+
+    SO_REUSEADDR like the servers themselves: connections in TIME_WAIT from a previous
+    run do not make a port busy, a listener does.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:

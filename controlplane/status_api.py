@@ -1,33 +1,67 @@
-"""The control plane's HTTP status API: /status (JSON) and /metrics (Prometheus).
+"""The control plane's HTTP API: /status (JSON), /metrics (Prometheus), node commands.
 
-Owns the read-only view operators and `llmgw status` use: catalog models, published
-endpoints, snapshot versions, and every Envoy's last ACK and NACK. Everything it
-returns is built from immutable snapshots; it never changes state.
+Owns the operator's view: catalog models with their published endpoints, nodes with
+GPUs used and free, replicas by state, the reconciler's recent decisions and what it
+could not place, and every Envoy's last ACK and NACK. The document is built from
+immutable snapshots. The only writes are `POST /nodes/{name}/drain|uncordon`, handed to
+the reconciler. Binds loopback unless told otherwise.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from controlplane.inventory import InventoryView
 from controlplane.publisher import Publisher
 from xds.server import AdsServer
 from xds.snapshot import SHORT
 
+if TYPE_CHECKING:
+    from controlplane.catalog_watch import CatalogWatcher
+    from controlplane.reconciler import Reconciler
 
-def status_document(publisher: Publisher, ads: AdsServer) -> dict[str, Any]:
+
+def _nodes(view: InventoryView) -> list[dict[str, Any]]:
+    out = []
+    for n in view.nodes:
+        used = n.used_gpus
+        out.append({
+            "name": n.name, "state": str(n.state), "connected": n.connected,
+            "address": n.address, "labels": dict(n.labels), "generation": n.generation,
+            "returned_after_lost": n.returned_after_lost,
+            "gpus": [{"index": g.index, "name": g.name, "memory_mb": g.memory_mb,
+                      "uuid": g.uuid, "used": g.index in used} for g in n.gpus],
+            "gpus_used": len(used), "gpus_free": len(n.gpus) - len(used),
+            "replicas": [{"replica_id": r.replica_id, "model": r.model, "state": str(r.state),
+                          "endpoint": f"{r.host}:{r.port}" if r.port else "",
+                          "gpus": list(r.gpu_indices), "in_flight": r.in_flight,
+                          "profile_hash": r.profile_hash, "stale": r.stale,
+                          "message": r.message, "pid": r.pid}
+                         for r in n.replicas],
+        })
+    return out
+
+
+def status_document(publisher: Publisher, ads: AdsServer, view: InventoryView | None = None,
+                    reconciler: Reconciler | None = None,
+                    watcher: CatalogWatcher | None = None) -> dict[str, Any]:
     live, closed = ads.clients.snapshot()
     snap = ads.cache.snapshot
     eps = publisher.endpoints()
-    return {
+    doc: dict[str, Any] = {
         "models": [
             {
                 "name": m.name,
                 "aliases": list(m.aliases),
+                "min_replicas": m.min_replicas,
+                "max_replicas": m.max_replicas,
+                "target": reconciler.target(m) if reconciler else m.min_replicas,
+                "unplaced": (reconciler.unplaced.get(m.name, "") if reconciler else ""),
                 "endpoints": [
                     {"address": e.address, "replica_id": e.replica_id, "draining": e.draining}
                     for e in eps.get(m.name, ())
@@ -42,10 +76,19 @@ def status_document(publisher: Publisher, ads: AdsServer) -> dict[str, Any]:
             "envoys": [c.as_dict() for c in live],
             "recently_disconnected": [c.as_dict() for c in closed],
         },
+        "nodes": _nodes(view) if view is not None else [],
     }
+    if reconciler is not None:
+        doc["cordoned"] = sorted(reconciler.cordoned)
+        doc["decisions"] = [d.__dict__ for d in list(reconciler.decisions)[-30:]]
+    if watcher is not None:
+        doc["catalog"] = {"path": str(watcher.path), "reloads": watcher.applied,
+                          "refused": watcher.refused, "last_error": watcher.last_error}
+    return doc
 
 
-def make_app(document: Callable[[], dict[str, Any]]) -> web.Application:
+def make_app(document: Callable[[], dict[str, Any]],
+             command: Callable[[str, str], tuple[int, str]] | None = None) -> web.Application:
     async def status(_: web.Request) -> web.Response:
         return web.json_response(document())
 
@@ -53,16 +96,25 @@ def make_app(document: Callable[[], dict[str, Any]]) -> web.Application:
         return web.Response(body=generate_latest(REGISTRY),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def node_command(req: web.Request) -> web.Response:
+        if command is None:
+            return web.json_response({"error": "no commands here"}, status=404)
+        code, msg = command(req.match_info["verb"], req.match_info["name"])
+        return web.json_response({"message": msg} if code < 400 else {"error": msg},
+                                 status=code)
+
     app = web.Application()
     app.router.add_get("/status", status)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/nodes/{name}/{verb}", node_command)
     return app
 
 
-async def start_api(document: Callable[[], dict[str, Any]], host: str,
+async def start_api(document: Callable[[], dict[str, Any]],
+                    command: Callable[[str, str], tuple[int, str]] | None, host: str,
                     port: int) -> tuple[web.AppRunner, int]:
     """Serve the API; return the runner (to clean up) and the bound port."""
-    runner = web.AppRunner(make_app(document), access_log=None)
+    runner = web.AppRunner(make_app(document, command), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=False)
     await site.start()

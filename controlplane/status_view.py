@@ -1,12 +1,14 @@
 """Rendering the status document for a terminal (`llmgw status`).
 
-Owns presentation only: tables of models and endpoints, and of each Envoy with its
-last ACK and last NACK (with Envoy's error text, shortened).
+Owns presentation only: models with their published endpoints, nodes with GPUs and
+replicas by state, the reconciler's recent decisions, and each Envoy with its last ACK
+and NACK (Envoy's error text included).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 from rich.console import Console
@@ -20,40 +22,78 @@ def _ago(ts: float | None) -> str:
     return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago"
 
 
-def render_status(doc: dict[str, Any], console: Console | None = None) -> None:
-    console = console or Console()
-    models = Table(title="Models", title_justify="left")
-    for col in ("model", "aliases", "endpoints", "draining"):
-        models.add_column(col)
+def _models(doc: dict[str, Any]) -> Table:
+    t = Table(title="Models", title_justify="left")
+    for col in ("model", "aliases", "min/target/max", "endpoints (Envoy)", "draining", "note"):
+        t.add_column(col)
     for m in doc.get("models", []):
         eps = m.get("endpoints", [])
-        models.add_row(
-            m["name"],
-            ", ".join(m.get("aliases", [])) or "-",
+        t.add_row(
+            m["name"], ", ".join(m.get("aliases", [])) or "-",
+            f"{m.get('min_replicas')}/{m.get('target')}/{m.get('max_replicas')}",
             "\n".join(e["address"] for e in eps) or "[red]none[/]",
             str(sum(1 for e in eps if e.get("draining"))),
+            m.get("unplaced") or "",
         )
-    console.print(models)
+    return t
 
+
+def _nodes(doc: dict[str, Any]) -> Table:
+    t = Table(title="Nodes", title_justify="left")
+    for col in ("node", "state", "GPUs used/total", "replicas", "labels"):
+        t.add_column(col)
+    colors = {"Ready": "green", "Unreachable": "yellow", "Lost": "red"}
+    cordoned = set(doc.get("cordoned", []))
+    for n in doc.get("nodes", []):
+        state = f"[{colors.get(n['state'], 'white')}]{n['state']}[/]"
+        if n["name"] in cordoned:
+            state += " (cordoned)"
+        reps = "\n".join(
+            f"{r['model']} {r['replica_id'].rsplit('-', 1)[-1]} {r['state']}"
+            + (f" {r['endpoint']}" if r["endpoint"] else "") + (" STALE" if r["stale"] else "")
+            for r in n["replicas"]) or "-"
+        t.add_row(n["name"], state, f"{n['gpus_used']}/{len(n['gpus'])}", reps,
+                  ",".join(f"{k}={v}" for k, v in n["labels"].items()) or "-")
+    return t
+
+
+def _envoys(doc: dict[str, Any]) -> Table:
     xds = doc.get("xds", {})
-    envoys = Table(title=f"Envoys (xDS port {xds.get('port')})", title_justify="left")
+    t = Table(title=f"Envoys (xDS port {xds.get('port')})", title_justify="left")
     for col in ("node", "mode", "type", "acked version", "pushes", "NACKs", "last NACK"):
-        envoys.add_column(col)
+        t.add_column(col)
     for e in xds.get("envoys", []):
-        for i, (t, s) in enumerate(sorted(e.get("types", {}).items())):
+        for i, (typ, s) in enumerate(sorted(e.get("types", {}).items())):
             nack = s.get("last_nack")
-            envoys.add_row(
-                e["node_id"] if i == 0 else "",
-                e["mode"] if i == 0 else "",
-                t,
-                s.get("acked_version") or "-",
-                str(s.get("pushes", 0)),
-                str(s.get("nacks", 0)),
+            t.add_row(
+                e["node_id"] if i == 0 else "", e["mode"] if i == 0 else "", typ,
+                s.get("acked_version") or "-", str(s.get("pushes", 0)), str(s.get("nacks", 0)),
                 "-" if not nack else f"{_ago(nack['at'])}: {nack['message'][:1000]}",
             )
     if not xds.get("envoys"):
-        envoys.add_row("[yellow]no Envoy connected[/]", "", "", "", "", "", "")
-    console.print(envoys)
-    st = xds.get("stats", {})
+        t.add_row("[yellow]no Envoy connected[/]", "", "", "", "", "", "")
+    return t
+
+
+def render_status(doc: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(_models(doc))
+    if doc.get("nodes"):
+        console.print(_nodes(doc))
+        states = Counter(r["state"] for n in doc["nodes"] for r in n["replicas"])
+        console.print("replicas by state: " + (", ".join(f"{k} {v}" for k, v in
+                                                           sorted(states.items())) or "none"))
+    console.print(_envoys(doc))
+    st = doc.get("xds", {}).get("stats", {})
     console.print(f"xDS totals: pushes {st.get('pushes')}, ACKs {st.get('acks')}, "
                   f"NACKs {st.get('nacks')}, stale requests {st.get('stale')}")
+    cat = doc.get("catalog")
+    if cat and cat.get("last_error"):
+        console.print(f"[red]last catalog edit refused[/] (last good catalog in force):\n"
+                      f"{cat['last_error']}")
+    decisions = doc.get("decisions", [])
+    if decisions:
+        console.print("recent decisions:")
+        for d in decisions[-10:]:
+            console.print(f"  {_ago(d['at'])}: {d['action']} {d['replica_id']} on {d['node']}: "
+                          f"{d['reason']}")
