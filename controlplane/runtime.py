@@ -51,6 +51,7 @@ class ControlPlane:
         state_dir: Path | None = None,
         resync_s: float = 1.0,
         expected_nodes: Sequence[str] = (),
+        reconcile: bool = True,
     ) -> None:
         self.cache = SnapshotCache()
         self.ads = AdsServer(self.cache)
@@ -75,8 +76,9 @@ class ControlPlane:
             if agent_auth is None:
                 raise ValueError("an agent server needs AgentAuth (a token at least)")
             self.agents = AgentServer(self.inventory, agent_auth, lease_s=lease_s)
-            self.reconciler = Reconciler(self.inventory, lambda: self.publisher.catalog,
-                                         resync_s=resync_s)
+            if reconcile:
+                self.reconciler = Reconciler(self.inventory, lambda: self.publisher.catalog,
+                                             resync_s=resync_s)
             self.fleet = InventorySource(self.inventory, startup_grace_s=startup_grace_s,
                                          expected_nodes=expected_nodes or self._known_nodes())
             self._sources.append(self.fleet)

@@ -67,7 +67,8 @@ class Fleet:
         inv = Inventory(unreachable_after=UNREACHABLE, lost_after=LOST, tick_interval=0.05)
         self.cp = ControlPlane(parse_catalog("models: [{name: m}]"), xds=("127.0.0.1", 0),
                                api=None, agents=("127.0.0.1", self.agents_port),
-                               agent_auth=AgentAuth(token=TOKEN), inventory=inv, lease_s=LOST)
+                               agent_auth=AgentAuth(token=TOKEN), inventory=inv, lease_s=LOST,
+                               reconcile=False)
         await self.cp.start()
         return self.cp
 
@@ -402,7 +403,7 @@ async def test_mtls_agent_channel(tmp_path: Path) -> None:
                         agents=("127.0.0.1", f.agents_port),
                         agent_auth=AgentAuth(token=TOKEN, server_cert=server.cert,
                                              server_key=server.key, client_ca=ca.cert),
-                        inventory=inv, lease_s=LOST)
+                        inventory=inv, lease_s=LOST, reconcile=False)
     await f.cp.start()
     try:
         tls = ("--tls-ca", str(files["ca.pem"]), "--tls-server-name",
