@@ -123,7 +123,10 @@ class Reconciler:
         self.resend_after_s = resend_after_s
         self.request_timeout_s = request_timeout_s
         self.cordoned: set[str] = set()
-        self.desired: dict[str, int] = {}  # autoscaler's target per model (else min)
+        # The autoscaler's wish per model; without one, a model keeps the replicas it
+        # has, within [min, max].
+        self.desired: dict[str, int] = {}
+        self.targets: dict[str, int] = {}
         self._mem = _Memory()
         self.decisions: deque[Decision] = deque(maxlen=200)
         self.unplaced: dict[str, str] = {}
@@ -145,8 +148,12 @@ class Reconciler:
         self.cordoned.discard(node)
         self.trigger()
 
-    def target(self, m: Model) -> int:
-        want = self.desired.get(m.name, m.min_replicas)
+    def target(self, m: Model, serving: int | None = None) -> int:
+        """Replicas a model should have: the autoscaler's wish, else what it has now,
+        held within [min_replicas, max_replicas]."""
+        if serving is None:
+            return self.targets.get(m.name, m.min_replicas)
+        want = self.desired.get(m.name, serving)
         return max(m.min_replicas, min(m.max_replicas, want))
 
     # ------------------------------------------------------------------ deciding
@@ -185,13 +192,14 @@ class Reconciler:
         self.unplaced = {m: why for m, why in p.unplaced}
         # Rolling updates stall when there is no room for a new replica: then retire
         # an old one, as long as serving capacity stays at the minimum.
-        for name, why in p.unplaced:
+        for name in dict.fromkeys(name for name, why in p.unplaced if "GPU" in why):
             m = models[name]
-            serving = [r for _, r in counted[name] if r.state == ReplicaState.READY]
-            old = [(n, r) for n, r in counted[name] if self._outdated(m, n, r)]
             drained = {a.replica_id for a in actions if isinstance(a, Drain)}
-            old = [(n, r) for n, r in old if r.replica_id not in drained]
-            if old and len(serving) - 1 >= m.min_replicas and "GPU" in why:
+            serving = [r for _, r in counted[name]
+                       if r.state == ReplicaState.READY and r.replica_id not in drained]
+            old = [(n, r) for n, r in counted[name]
+                   if self._outdated(m, n, r) and r.replica_id not in drained]
+            if old and len(serving) - 1 >= m.min_replicas:
                 n, r = sorted(old, key=lambda x: (x[1].state == ReplicaState.READY,
                                                   x[1].replica_id))[0]
                 actions.append(Drain(n.name, r.replica_id, name, m.drain_timeout_s,
@@ -205,9 +213,12 @@ class Reconciler:
 
     def _model(self, m: Model, live: list[tuple[Node, Replica]]
                ) -> tuple[list[Request], list[Action], int]:
-        target = self.target(m)
         current = [(n, r) for n, r in live if not self._outdated(m, n, r)]
         old = [(n, r) for n, r in live if self._outdated(m, n, r)]
+        # Replacing old replicas keeps their number: during a rollout the count to hold
+        # is the larger of the old and the new generation.
+        target = self.target(m, max(len(current), len(old)))
+        self.targets[m.name] = target
         actions: list[Action] = []
         reqs: list[Request] = []
         need = target - len(current)
