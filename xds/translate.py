@@ -107,7 +107,11 @@ def build_cluster(model: Model) -> cluster.Cluster:
         # With the default 50% panic threshold a cluster whose only host is DRAINING or
         # ejected still gets traffic; at 0 Envoy answers 503 (UH) instead.
         common_lb_config=cluster.ClusterCommonLbConfig(
-            healthy_panic_threshold=type_v3.Percent(value=0.0)
+            healthy_panic_threshold=type_v3.Percent(value=0.0),
+            # Envoy batches health-only changes for 1 s by default before workers see
+            # them: a new replica would answer 503 for up to a second after it passed
+            # its first check, and a dead one keep traffic as long (measured).
+            update_merge_window=_s(0),
         ),
         outlier_detection=cluster.OutlierDetection(
             consecutive_5xx=r.outlier_consecutive_5xx,
