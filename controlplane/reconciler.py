@@ -103,6 +103,11 @@ class _Memory:
     # (action kind, replica id) -> when it was last sent, so a pass does not repeat a
     # command the agent is still carrying out.
     sent: dict[tuple[str, str], float] = field(default_factory=dict)
+    # Replicas being moved to restore spread (replaced like an outdated profile).
+    moving: set[str] = field(default_factory=set)
+    # A model's replica count the last time none of them was being replaced: what a
+    # rollout or a move must keep.
+    settled: dict[str, int] = field(default_factory=dict)
 
 
 class Reconciler:
@@ -170,6 +175,15 @@ class Reconciler:
                 if (node.state != NodeState.LOST and r.model in models and r.live
                         and not r.stale and r.state != ReplicaState.DRAINING):
                     counted[r.model].append((node, r))
+        placeable = [self._capacity(n, view, models) for n in view.nodes
+                     if n.state == NodeState.READY and n.connected
+                     and n.name not in self.cordoned]
+        live_ids = {r.replica_id for pairs in counted.values() for _, r in pairs}
+        self._mem.moving &= live_ids
+        for name, m in models.items():
+            if not any(self._outdated(m, n, r) for n, r in counted[name]):
+                self._mem.settled[name] = len(counted[name])
+            self._respread(m, counted[name], placeable)
         requests: list[Request] = []
         spare: dict[str, int] = {}
         for name, m in models.items():
@@ -177,9 +191,6 @@ class Reconciler:
             requests += reqs
             actions += acts
             spare[name] = above_min
-        placeable = [self._capacity(n, view, models) for n in view.nodes
-                     if n.state == NodeState.READY and n.connected
-                     and n.name not in self.cordoned]
         p = plan(requests, placeable, spare)
         for pl in p.placements:
             actions.append(Start(pl.node, pl, _replica_id(pl.model),
@@ -209,15 +220,43 @@ class Reconciler:
         return [a for a in actions if a.node in connected or isinstance(a, ForgetReplica)]
 
     def _outdated(self, m: Model, node: Node, r: Replica) -> bool:
-        return r.profile_hash not in m.profile_hashes or node.name in self.cordoned
+        return (r.profile_hash not in m.profile_hashes or node.name in self.cordoned
+                or r.replica_id in self._mem.moving)
+
+    def _respread(self, m: Model, live: list[tuple[Node, Replica]],
+                  placeable: list[NodeCapacity]) -> None:
+        """Mark one replica to move when a node holds two of a model while another node
+        that could run it holds none (replicas placed while nodes were still joining).
+        The move is make-before-break, like a profile change."""
+        if any(r.replica_id in self._mem.moving for _, r in live):
+            return  # one move at a time per model
+        if any(r.state != ReplicaState.READY or self._outdated(m, n, r) for n, r in live):
+            return  # only a settled model is rebalanced
+        per_node: dict[str, list[Replica]] = {}
+        for n, r in live:
+            per_node.setdefault(n.name, []).append(r)
+        crowded = [name for name, rs in per_node.items() if len(rs) >= 2]
+        if not crowded:
+            return
+        empty = [c for c in placeable if c.model_counts.get(m.name, 0) == 0
+                 and all(c.labels.get(k) == v for k, v in m.pool.items())
+                 and plan([Request(m, 1)], [c]).placements]
+        if not empty:
+            return
+        worst = max(sorted(crowded), key=lambda name: len(per_node[name]))
+        victim = sorted(per_node[worst], key=lambda r: r.replica_id)[-1]
+        self._mem.moving.add(victim.replica_id)
+        log.info("moving %s (%s) off %s to spread the model over nodes", victim.replica_id,
+                 m.name, worst)
 
     def _model(self, m: Model, live: list[tuple[Node, Replica]]
                ) -> tuple[list[Request], list[Action], int]:
         current = [(n, r) for n, r in live if not self._outdated(m, n, r)]
         old = [(n, r) for n, r in live if self._outdated(m, n, r)]
-        # Replacing old replicas keeps their number: during a rollout the count to hold
-        # is the larger of the old and the new generation.
-        target = self.target(m, max(len(current), len(old)))
+        # Replacing old replicas keeps their number: during a rollout or a move the
+        # count to hold is the one the model had when it was last settled.
+        base = self._mem.settled.get(m.name, max(len(current), len(old)))
+        target = self.target(m, base)
         self.targets[m.name] = target
         actions: list[Action] = []
         reqs: list[Request] = []
@@ -242,6 +281,7 @@ class Reconciler:
         retire += sorted(ready_old, key=lambda x: x[1].replica_id)[: max(0, room)]
         for n, r in retire:
             why = (f"node {n.name} is cordoned" if n.name in self.cordoned
+                   else "moved to spread the model" if r.replica_id in self._mem.moving
                    else "its profile changed")
             actions.append(Drain(n.name, r.replica_id, m.name, m.drain_timeout_s,
                                  f"replaced: {why}"))

@@ -6,7 +6,6 @@ Waits are on conditions with deadlines, never bare sleeps.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -21,24 +20,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from bench.harness import wait_for as wait_for  # re-exported for the tests
 from controlplane.catalog import Catalog, parse_catalog
 from controlplane.endpoints import Endpoint
 from controlplane.envoy_proc import EnvoyProcess
 from controlplane.netutil import free_port
 from controlplane.publisher import StaticSource
 from controlplane.runtime import ControlPlane
-
-
-async def wait_for(cond: Callable[[], Awaitable[bool]], timeout: float, what: str,
-                   interval: float = 0.02) -> float:
-    """Poll `cond` until true; return the seconds it took; fail with `what` at the deadline."""
-    start = time.monotonic()
-    while True:
-        if await cond():
-            return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 @dataclass

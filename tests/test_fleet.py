@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.harness import Fleet, Load
 from controlplane.netutil import free_port
 
 from .conftest import wait_for
-from .fleet import Fleet, Load
 
 pytestmark = pytest.mark.slow
 

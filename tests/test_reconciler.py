@@ -170,3 +170,17 @@ def test_commands_only_to_connected_nodes() -> None:
                 False, 0.0, 0.0)
     assert [type(a) for a in r.decide(cat, InventoryView((gone,), 1))] == []
     assert Stop  # imported for symmetry with the other tests
+
+
+def test_replicas_crowded_on_one_node_are_spread_make_before_break() -> None:
+    r, cat = recon(m(mn=1, mx=2))
+    crowded = InventoryView((node("a", rep("r1"), rep("r2", gpu=1)), node("b")), 1)
+    acts = r.decide(cat, crowded)
+    assert kinds(acts) == [("Start", "b")]  # capacity first: nothing drained yet
+    moved = InventoryView((node("a", rep("r1"), rep("r2", gpu=1)), node("b", rep("r3"))), 2)
+    acts = r.decide(cat, moved)
+    assert [(type(a).__name__, a.replica_id) for a in acts] == [("Drain", "r2")]
+    assert "spread" in acts[0].reason
+    # Two nodes each with one: settled, nothing to do.
+    done = InventoryView((node("a", rep("r1")), node("b", rep("r3"))), 3)
+    assert r.decide(cat, done) == []

@@ -1,7 +1,9 @@
-"""A whole fleet for tests: control plane in-process, agent processes, Envoy, a load.
+"""A whole fleet on one machine, for tests and benchmarks.
 
-Used by the fleet, failover and scaling tests. Everything on loopback (or the test's
-own network namespaces), on ports picked at run time.
+Owns the harness: a control plane in this process, agent processes (optionally in
+network namespaces), a real Envoy, a closed-loop client load that tells cut streams
+from failures, and `wait_for`, the polling-with-deadline helper every test uses.
+Everything on loopback (or the caller's own namespaces), on ports picked at run time.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +31,18 @@ from controlplane.netutil import free_port
 from controlplane.runtime import ControlPlane
 from xds.translate import cluster_name
 
-from .conftest import wait_for
+
+async def wait_for(cond: Callable[[], Awaitable[bool]], timeout: float, what: str,
+                   interval: float = 0.02) -> float:
+    """Poll `cond` until true; return the seconds it took; fail with `what` at the deadline."""
+    start = time.monotonic()
+    while True:
+        if await cond():
+            return time.monotonic() - start
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
 
 TOKEN = "fleet-test-token"
 
@@ -86,14 +100,16 @@ class Fleet:
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
 
     async def start_cp(self, xds_port: int = 0, startup_grace_s: float = 0.0,
-                       state_dir: Path | None = None) -> ControlPlane:
+                       state_dir: Path | None = None,
+                       expected_nodes: tuple[str, ...] = ()) -> ControlPlane:
         inv = Inventory(unreachable_after=self.unreachable_after, lost_after=self.lost_after,
                         tick_interval=0.05)
         self.cp = ControlPlane(
             load_catalog(self.catalog_path), xds=("127.0.0.1", xds_port), api=None,
             agents=("127.0.0.1", self.agents_port), agent_auth=AgentAuth(token=TOKEN),
             inventory=inv, lease_s=self.lost_after, catalog_path=self.catalog_path,
-            startup_grace_s=startup_grace_s, state_dir=state_dir, resync_s=0.2)
+            startup_grace_s=startup_grace_s, state_dir=state_dir, resync_s=0.2,
+            expected_nodes=expected_nodes)
         await self.cp.start()
         return self.cp
 
@@ -147,6 +163,22 @@ class Fleet:
             await self.cp.stop()
 
     # ------------------------------------------------------------------ waiting
+
+    async def node_state(self, node: str, state: NodeState, timeout: float = 20) -> None:
+        async def check() -> bool:
+            assert self.cp is not None
+            n = self.cp.inventory.view().node(node)
+            return n is not None and n.state == state
+
+        await wait_for(check, timeout, f"node {node} to be {state}")
+
+    async def node_state_ready(self, node: str, timeout: float = 20) -> None:
+        async def check() -> bool:
+            assert self.cp is not None
+            n = self.cp.inventory.view().node(node)
+            return n is not None and n.state == NodeState.READY and n.connected
+
+        await wait_for(check, timeout, f"node {node} to be Ready")
 
     def replicas(self, model: str, states: tuple[ReplicaState, ...] = (ReplicaState.READY,)
                  ) -> list[tuple[str, str, str]]:
