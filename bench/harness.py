@@ -63,6 +63,9 @@ class Fleet:
         self.listener_port = free_port()
         self.write_catalog(catalog_yaml)
         self.agents_port = free_port()
+        # Where agents reach the control plane: loopback, or the host end of a test's
+        # veth when some agents live in network namespaces.
+        self.agents_host = "127.0.0.1"
         self.delta = delta
         self.unreachable_after = unreachable_after
         self.lost_after = lost_after
@@ -92,6 +95,9 @@ class Fleet:
                             state_dir=state_dir)
         for i in range(nodes):
             self.start_agent(f"node-{i + 1}", gpus)
+        await self.start_envoy()
+
+    async def start_envoy(self) -> None:
         assert self.cp is not None
         self.envoy = EnvoyProcess("127.0.0.1", self.cp.xds_port, delta=self.delta,
                                   node_id="fleet-envoy", workdir=self.tmp)
@@ -106,7 +112,7 @@ class Fleet:
                         tick_interval=0.05)
         self.cp = ControlPlane(
             load_catalog(self.catalog_path), xds=("127.0.0.1", xds_port), api=None,
-            agents=("127.0.0.1", self.agents_port), agent_auth=AgentAuth(token=TOKEN),
+            agents=(self.agents_host, self.agents_port), agent_auth=AgentAuth(token=TOKEN),
             inventory=inv, lease_s=self.lost_after, catalog_path=self.catalog_path,
             startup_grace_s=startup_grace_s, state_dir=state_dir, resync_s=0.2,
             expected_nodes=expected_nodes)
@@ -118,7 +124,7 @@ class Fleet:
         log = self.tmp / f"{node}.log"
         state = self.tmp / f"state-{node}"
         cmd = [sys.executable, "-m", "controlplane.cli", "agent", "--control-plane",
-               control_plane or f"127.0.0.1:{self.agents_port}", "--node", node,
+               control_plane or f"{self.agents_host}:{self.agents_port}", "--node", node,
                "--simulate-gpus", gpus, "--state-dir", str(state), "--heartbeat", "0.2",
                "--fence-after", str(self.lost_after * 3), *extra]
         if netns:

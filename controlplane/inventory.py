@@ -361,8 +361,13 @@ class Inventory:
     def _heartbeat(self, ev: Heartbeat, now: float) -> bool:
         rec = self._current(ev.node, ev.stream_id)
         if rec.node.state == NodeState.LOST:
-            # Heard again on the same stream after Lost: what it runs is stale.
+            # Heard again on the same stream after Lost: what it runs was replaced
+            # meanwhile, so it is stale.
             rec.node = replace(rec.node, returned_after_lost=True)
+            for rid, r in rec.replicas.items():
+                rec.replicas[rid] = replace(r, stale=True)
+            log.warning("node %s is back after being Lost: its %d replicas are stale",
+                        ev.node, len(rec.replicas))
         rec.node = replace(rec.node, last_seen=now)
         return self._set_state(rec, NodeState.READY, now, "heartbeat")
 

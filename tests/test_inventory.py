@@ -139,3 +139,15 @@ async def test_burst_of_concurrent_status_reports() -> None:
         await inv.submit(Heartbeat(1, "n0"))
     finally:
         writer.cancel()
+
+
+def test_heard_again_on_the_same_stream_after_lost_marks_replicas_stale() -> None:
+    inv, clock = make()
+    inv.apply(reg(replicas=(rep(),)))
+    clock.t += 31
+    inv.apply(StartRequested("n1", rep("x", ReplicaState.REQUESTED)))  # ticks
+    assert inv.view().node("n1").state == NodeState.LOST
+    inv.apply(Heartbeat(1, "n1"))  # the partition healed before TCP noticed
+    n = inv.view().node("n1")
+    assert n.state == NodeState.READY and n.returned_after_lost
+    assert all(r.stale for r in n.replicas)
