@@ -66,8 +66,10 @@ class InventorySource:
                 return
             version = view.version
             waiter = asyncio.create_task(self.inventory.wait_newer(version))
-            await asyncio.wait({waiter}, timeout=left)
-            waiter.cancel()
+            try:
+                await asyncio.wait({waiter}, timeout=left)
+            finally:
+                waiter.cancel()
 
     async def run(self, publisher: Publisher) -> None:
         await self._gate()

@@ -338,10 +338,12 @@ class Reconciler:
             version = view.version
             waiter = asyncio.create_task(self.inventory.wait_newer(version))
             woken = asyncio.create_task(self._wake.wait())
-            await asyncio.wait({waiter, woken}, timeout=self.resync_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-            waiter.cancel()
-            woken.cancel()
+            try:
+                await asyncio.wait({waiter, woken}, timeout=self.resync_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                woken.cancel()
             self._wake.clear()
 
     async def reconcile_once(self, view: InventoryView,
