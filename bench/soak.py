@@ -10,12 +10,11 @@ Invariants, checked once a second:
 Success floor: 99% of requests complete. Model "n" has a single replica on purpose:
 when its node is killed it has no capacity until the replica is rebuilt (the Lost
 deadline, 3 s here, plus a start), and its requests get a 503 `no_healthy_upstream`
-meanwhile; model "m" has two and loses only streams cut mid-way. Why 99%: clients are 4 streams in a closed loop
-(about 40 requests/s here); a node kill cuts at most the streams in flight on that node
-(Envoy cannot retry once bytes went out) and nothing else fails (retries and outlier
-detection take the rest, as tests/test_failover.py shows), so with a kill every ~20 s
-the expected loss is 1-2 requests in ~800, about 0.2%. The floor leaves room for a
-loaded 2-core machine.
+meanwhile. Model "m" has two and loses only the streams in flight on a killed node
+(Envoy cannot retry once bytes went out); retries and outlier detection take the rest,
+as tests/test_failover.py shows. Clients are 4 streams in a closed loop, about 20
+requests/s; with a kill every ~20 s the expected loss is well under 1%. The floor
+leaves room for a loaded 2-core machine.
 
 Run:  .venv/bin/python bench/soak.py [--seconds 180] [--seed 1]
 """
