@@ -62,8 +62,21 @@ class AgentConfig:
     tls_server_name: str | None = None
 
 
+def _resolve(host: str) -> str:
+    """Envoy's EDS takes IP addresses only: a host name is resolved once, at start."""
+    import ipaddress
+    import socket
+
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        return socket.gethostbyname(host)
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig) -> None:
+        cfg.advertise = _resolve(cfg.advertise)
         self.cfg = cfg
         self.agent_id = uuid.uuid4().hex
         self.generation = 0

@@ -344,6 +344,28 @@ def envoy(xds: tuple[str, int], admin: tuple[str, int], delta: bool, node_id: st
     asyncio.run(run())
 
 
+@main.command("envoy-bootstrap")
+@click.option("--xds", default="127.0.0.1:18000", show_default=True,
+              help="The llmgw xDS server (a host name works: it is resolved by DNS).")
+@click.option("--admin", default="127.0.0.1:9901", show_default=True, callback=_hostport,
+              help="Envoy admin address (keep it on loopback).")
+@click.option("--delta", is_flag=True, help="Use delta xDS.")
+@click.option("--node-id", default="llmgw-envoy", show_default=True)
+def envoy_bootstrap(xds: str, admin: tuple[str, int], delta: bool, node_id: str) -> None:
+    """Print the Envoy bootstrap for running Envoy yourself (a container, systemd)."""
+    import yaml
+
+    from controlplane.envoy_proc import render_bootstrap
+
+    host, sep, port = xds.rpartition(":")
+    if not sep or not port.isdigit():
+        raise click.BadParameter(f"{xds!r}: expected HOST:PORT")
+    boot = render_bootstrap(host, int(port), admin_host=admin[0], admin_port=admin[1],
+                            node_id=node_id, delta=delta)
+    click.echo("# Rendered by `llmgw envoy-bootstrap`; edit envoy/bootstrap.yaml instead.")
+    click.echo(yaml.safe_dump(boot, sort_keys=False), nl=False)
+
+
 # ---------------------------------------------------------------------- status
 
 

@@ -37,6 +37,16 @@ def envoy_binary() -> Path:
     return path
 
 
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class XdsTls:
     """Files for mTLS to the xDS server: Envoy's client cert and the CA of the server's."""
@@ -67,6 +77,10 @@ def render_bootstrap(
     xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] = {
         "socket_address": {"address": xds_host, "port_value": xds_port}
     }
+    if not _is_ip(xds_host):
+        # A name (e.g. the compose service "controlplane"): resolve it, and again if the
+        # control plane moves.
+        xds["type"] = "STRICT_DNS"
     if tls is not None:
         # Envoy proves itself with a client certificate and checks the server's name.
         xds["transport_socket"] = {
