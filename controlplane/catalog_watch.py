@@ -14,6 +14,7 @@ from pathlib import Path
 from watchfiles import awatch
 
 from controlplane.catalog import Catalog, CatalogError, load_catalog
+from controlplane.metrics import CATALOG_RELOADS
 
 log = logging.getLogger("llmgw.catalog")
 
@@ -32,11 +33,13 @@ class CatalogWatcher:
             cat = load_catalog(self.path)
         except CatalogError as e:
             self.refused += 1
+            CATALOG_RELOADS.labels("refused").inc()
             self.last_error = str(e)
             log.error("catalog change refused, keeping the last good catalog:\n%s", e)
             return False
         self.apply(cat)
         self.applied += 1
+        CATALOG_RELOADS.labels("applied").inc()
         self.last_error = ""
         log.info("catalog reloaded from %s: %d models", self.path, len(cat.models))
         return True

@@ -381,16 +381,42 @@ def _fetch_status(url: str) -> dict[str, Any]:
 @main.command()
 @click.option("--url", default="http://127.0.0.1:18001", show_default=True,
               help="The control plane's status API.")
+@click.option("--envoy-admin", default="http://127.0.0.1:9901", show_default=True,
+              help="Envoy admin to read per-model traffic from ('' to skip).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status document.")
-def status(url: str, as_json: bool) -> None:
-    """Show models, published endpoints and each Envoy's last ACK/NACK."""
-    from controlplane.status_view import render_status
+@click.option("--watch", is_flag=True, help="Keep refreshing until Ctrl-C.")
+@click.option("--interval", default=2.0, show_default=True, help="Seconds between refreshes.")
+def status(url: str, envoy_admin: str, as_json: bool, watch: bool, interval: float) -> None:
+    """Show models, nodes, GPUs, replicas, traffic and each Envoy's last ACK/NACK."""
+    from controlplane.status_view import envoy_traffic, render_status, status_renderables
 
-    doc = _fetch_status(url)
-    if as_json:
-        click.echo(json.dumps(doc, indent=2, sort_keys=True))
+    def document() -> dict[str, Any]:
+        doc = _fetch_status(url)
+        if envoy_admin:
+            try:
+                doc["traffic"] = envoy_traffic(envoy_admin, [m["name"] for m in doc["models"]])
+            except OSError as e:
+                doc["traffic"] = {"error": f"Envoy admin {envoy_admin} unreachable: {e}"}
+        return doc
+
+    if as_json and not watch:
+        click.echo(json.dumps(document(), indent=2, sort_keys=True))
         return
-    render_status(doc)
+    if not watch:
+        render_status(_fetch_status(url), envoy_admin=envoy_admin or None)
+        return
+    import time
+
+    from rich.live import Live
+
+    with Live(auto_refresh=False, screen=False) as live, contextlib.suppress(KeyboardInterrupt):
+        while True:
+            try:
+                items = status_renderables(_fetch_status(url), envoy_admin or None)
+                live.update(items[0], refresh=True)
+            except click.ClickException as e:
+                live.update(f"[red]{e.message}[/]", refresh=True)
+            time.sleep(interval)
 
 
 def _node_command(url: str, node: str, verb: str) -> None:

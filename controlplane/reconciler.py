@@ -38,6 +38,7 @@ from controlplane.inventory import (
     Replica,
     ReplicaState,
 )
+from controlplane.metrics import RECONCILER_ACTIONS
 from controlplane.placement import Evictable, NodeCapacity, Placement, Request, plan
 
 log = logging.getLogger("llmgw.reconciler")
@@ -369,6 +370,7 @@ class Reconciler:
                 continue
             done.append(a)
             model = a.placement.model if isinstance(a, Start) else getattr(a, "model", "")
+            RECONCILER_ACTIONS.labels(type(a).__name__.lower(), model).inc()
             self.decisions.append(Decision(time.time(), type(a).__name__.lower(), model,
                                            a.node, a.replica_id, a.reason))
             lvl = logging.DEBUG if isinstance(a, ForgetReplica) else logging.INFO

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from controlplane import metrics
 from controlplane.agent_server import AgentAuth, AgentServer
 from controlplane.catalog import Catalog
 from controlplane.catalog_watch import CatalogWatcher
@@ -84,6 +85,7 @@ class ControlPlane:
             self._sources.append(self.fleet)
         self.watcher = (CatalogWatcher(catalog_path, self.set_catalog)
                         if catalog_path is not None else None)
+        metrics.track(self)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -75,9 +75,68 @@ def _envoys(doc: dict[str, Any]) -> Table:
     return t
 
 
-def render_status(doc: dict[str, Any], console: Console | None = None) -> None:
+TRAFFIC_STATS = {
+    "requests": "upstream_rq_total",
+    "5xx": "upstream_rq_5xx",
+    "active": "upstream_rq_active",
+    "retries": "upstream_rq_retry",
+    "ejected": "outlier_detection.ejections_active",
+    "healthy hosts": "membership_healthy",
+}
+
+
+def envoy_traffic(admin_url: str, models: list[str]) -> dict[str, dict[str, int]]:
+    """Per-model counters from an Envoy's admin stats (raises OSError if unreachable)."""
+    import json
+    import urllib.parse
+    import urllib.request
+
+    from xds.translate import cluster_name
+
+    url = (admin_url.rstrip("/") + "/stats?format=json&filter="
+           + urllib.parse.quote(r"^cluster\.model-"))
+    with urllib.request.urlopen(url, timeout=5) as r:
+        # Histograms come as entries without a name: only counters and gauges here.
+        stats = {s["name"]: s.get("value", 0) for s in json.loads(r.read()).get("stats", [])
+                 if "name" in s and isinstance(s.get("value", 0), int)}
+    out = {}
+    for m in models:
+        prefix = f"cluster.{cluster_name(m)}."
+        out[m] = {k: int(stats.get(prefix + v, 0)) for k, v in TRAFFIC_STATS.items()}
+    return out
+
+
+def _traffic(traffic: dict[str, dict[str, int]], admin_url: str) -> Table:
+    t = Table(title=f"Traffic (Envoy admin {admin_url})", title_justify="left")
+    t.add_column("model")
+    for k in TRAFFIC_STATS:
+        t.add_column(k, justify="right")
+    for m, row in traffic.items():
+        t.add_row(m, *(str(row[k]) for k in TRAFFIC_STATS))
+    return t
+
+
+def render_status(doc: dict[str, Any], console: Console | None = None,
+                  envoy_admin: str | None = None) -> None:
     console = console or Console()
+    for item in status_renderables(doc, envoy_admin):
+        console.print(item)
+
+
+def status_renderables(doc: dict[str, Any], envoy_admin: str | None = None) -> list[Any]:
+    """Everything `llmgw status` shows, as rich renderables (for print or Live)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    out: list[Any] = []
+    console = _Collector(out)
     console.print(_models(doc))
+    if envoy_admin:
+        models = [m["name"] for m in doc.get("models", [])]
+        try:
+            console.print(_traffic(envoy_traffic(envoy_admin, models), envoy_admin))
+        except OSError as e:
+            console.print(Text(f"Envoy admin {envoy_admin} unreachable: {e}", style="yellow"))
     if doc.get("nodes"):
         console.print(_nodes(doc))
         states = Counter(r["state"] for n in doc["nodes"] for r in n["replicas"])
@@ -97,3 +156,14 @@ def render_status(doc: dict[str, Any], console: Console | None = None) -> None:
         for d in decisions[-10:]:
             console.print(f"  {_ago(d['at'])}: {d['action']} {d['replica_id']} on {d['node']}: "
                           f"{d['reason']}")
+    return [Group(*out)]
+
+
+class _Collector:
+    """Collects what would be printed, so one function serves print and Live."""
+
+    def __init__(self, out: list[Any]) -> None:
+        self.out = out
+
+    def print(self, item: Any) -> None:
+        self.out.append(item)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 from click.testing import CliRunner
 
@@ -99,8 +100,18 @@ async def test_envoy_command_and_status(tmp_path: Path) -> None:
         api = f"http://127.0.0.1:{cp.api_port}"
         rc, text = await llmgw("status", "--url", api, "--json")
         assert rc == 0 and json.loads(text)["xds"]["envoys"][0]["node_id"] == "cli-envoy"
-        rc, text = await llmgw("status", "--url", api)
-        assert rc == 0 and "cli-envoy" in text and "Models" in text
+        rc, text = await llmgw("status", "--url", api, "--envoy-admin",
+                               f"http://127.0.0.1:{admin}")
+        assert rc == 0 and "cli-envoy" in text and "Models" in text and "Traffic" in text, text
+        rc, text = await llmgw("status", "--url", api, "--json", "--envoy-admin",
+                               f"http://127.0.0.1:{admin}")
+        assert json.loads(text)["traffic"]["a"]["requests"] == 0
+        async with aiohttp.ClientSession() as s, s.get(api + "/metrics") as r:
+            metrics = await r.text()
+        for name in ("llmgw_xds_pushes_total", "llmgw_xds_nacks_total", "llmgw_nodes",
+                     "llmgw_replicas", "llmgw_gpus", "llmgw_published_endpoints",
+                     "llmgw_reconciler_actions", "llmgw_catalog_reloads", "llmgw_agent_streams"):
+            assert f"# TYPE {name}" in metrics or f"# HELP {name}" in metrics, name
         # A second Envoy on the same admin port fails loudly.
         rc, text = await llmgw("envoy", "--xds", f"127.0.0.1:{cp.xds_port}", "--admin",
                                f"127.0.0.1:{admin}")
