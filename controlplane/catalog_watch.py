@@ -46,5 +46,6 @@ class CatalogWatcher:
 
     async def run(self) -> None:
         async for changes in awatch(self.path.parent, debounce=200, step=50):
-            if any(Path(p).resolve() == self.path for _, p in changes):
+            # Paths come under the (already resolved) directory watched.
+            if any(Path(p) == self.path for _, p in changes):
                 self.reload()
