@@ -58,7 +58,7 @@ KEY = "sk-llmgw-bench"  # LiteLLM wants a master key; every path gets the same h
 PEERS = {
     "vllm-router": ["vllm-router==0.1.17"],
     "sglang-router": ["sglang-router==0.3.2"],
-    "litellm": ["litellm[proxy]==1.110.2"],
+    "litellm": ["litellm[proxy]==1.108.7"],
 }
 
 
@@ -146,19 +146,20 @@ def ensure_venv(name: str, log: Path) -> Path:
     return venv
 
 
-async def start_path(name: str, engine_port: int, work: Path) -> Path_:
+async def start_path(name: str, engine_ports: list[int], work: Path) -> Path_:
     p = Path_(name)
     log = work / f"{name}.log"
-    upstream = f"http://127.0.0.1:{engine_port}"
+    upstreams = [f"http://127.0.0.1:{port}" for port in engine_ports]
+    upstream = upstreams[0]
     try:
         if name == "direct":
-            p.url = upstream
+            p.url = upstream  # one engine: what every proxy's per-request path adds to
         elif name == "llmgw":
             port = free_port()
             cat = parse_catalog(f"listener: {{port: {port}}}\nmodels: [{{name: {MODEL}}}]")
             cp = ControlPlane(cat, xds=("127.0.0.1", 0), api=None,
-                              sources=[StaticSource([Endpoint(MODEL, "127.0.0.1",
-                                                              engine_port)])])
+                              sources=[StaticSource([Endpoint(MODEL, "127.0.0.1", port)
+                                                     for port in engine_ports])])
             await cp.start()
             env = EnvoyProcess("127.0.0.1", cp.xds_port, workdir=work, node_id="bench-llmgw")
             await env.start()
@@ -174,7 +175,7 @@ async def start_path(name: str, engine_port: int, work: Path) -> Path_:
         elif name == "static-envoy":
             port = free_port()
             cfg = work / "static-envoy.yaml"
-            cfg.write_text(yaml.safe_dump(static_envoy(port, engine_port)))
+            cfg.write_text(yaml.safe_dump(static_envoy(port, engine_ports)))
             proc = spawn([str(envoy_binary()), "-c", str(cfg), "--disable-hot-restart",
                           "--concurrency", "1", "-l", "warning"], log)
             p.procs, p.pids, p.url = [proc], [proc.pid], f"http://127.0.0.1:{port}"
@@ -182,7 +183,7 @@ async def start_path(name: str, engine_port: int, work: Path) -> Path_:
             venv = ensure_venv(name, log)
             port = free_port()
             proc = spawn([str(venv / "bin" / "vllm-router"), "--host", "127.0.0.1", "--port",
-                          str(port), "--worker-urls", upstream, "--policy", "power_of_two",
+                          str(port), "--worker-urls", *upstreams, "--policy", "power_of_two",
                           "--prometheus-port", str(free_port()), "--log-level", "warning"], log)
             p.procs, p.url = [proc], f"http://127.0.0.1:{port}"
         elif name == "sglang-router":
@@ -190,8 +191,8 @@ async def start_path(name: str, engine_port: int, work: Path) -> Path_:
             port = free_port()
             proc = spawn([str(venv / "bin" / "python"), "-m", "sglang_router.launch_router",
                           "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                          upstream, "--policy", "power_of_two", "--prometheus-port",
-                          str(free_port()), "--log-level", "warning"], log)
+                          *upstreams, "--policy", "power_of_two", "--prometheus-port",
+                          str(free_port()), "--log-level", "warn"], log)
             p.procs, p.url = [proc], f"http://127.0.0.1:{port}"
         elif name == "litellm":
             venv = ensure_venv(name, log)
@@ -199,7 +200,8 @@ async def start_path(name: str, engine_port: int, work: Path) -> Path_:
             cfg = work / "litellm.yaml"
             cfg.write_text(yaml.safe_dump({"model_list": [{
                 "model_name": MODEL, "litellm_params": {
-                    "model": f"openai/{MODEL}", "api_base": upstream + "/v1", "api_key": "x"}}]}))
+                    "model": f"openai/{MODEL}", "api_base": u + "/v1", "api_key": "x"}}
+                for u in upstreams]}))
             proc = spawn([str(venv / "bin" / "litellm"), "--config", str(cfg), "--host",
                           "127.0.0.1", "--port", str(port), "--num_workers", "1"], log,
                          env={"LITELLM_MASTER_KEY": KEY, "LITELLM_LOCAL_MODEL_COST_MAP": "True",
@@ -217,7 +219,7 @@ async def start_path(name: str, engine_port: int, work: Path) -> Path_:
     return p
 
 
-def static_envoy(port: int, engine_port: int) -> dict[str, Any]:
+def static_envoy(port: int, engine_ports: list[int]) -> dict[str, Any]:
     return {
         "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
         "static_resources": {
@@ -241,9 +243,9 @@ def static_envoy(port: int, engine_port: int) -> dict[str, Any]:
             "clusters": [{
                 "name": "engine", "type": "STATIC", "connect_timeout": "1s",
                 "lb_policy": "LEAST_REQUEST",
-                "load_assignment": {"cluster_name": "engine", "endpoints": [{"lb_endpoints": [{
-                    "endpoint": {"address": {"socket_address": {
-                        "address": "127.0.0.1", "port_value": engine_port}}}}]}]}}]},
+                "load_assignment": {"cluster_name": "engine", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": {"socket_address": {
+                        "address": "127.0.0.1", "port_value": ep}}}} for ep in engine_ports]}]}}]},
     }
 
 
@@ -257,10 +259,14 @@ def wrk(url: str, seconds: float, connections: int, payload: str, work: Path
         'wrk.headers["Content-Type"] = "application/json"\n'
         f'wrk.headers["Authorization"] = "Bearer {KEY}"\n'
         f'local f = io.open("{bodyfile}", "rb"); wrk.body = f:read("*a"); f:close()\n')
-    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency",
+    duration = f"-d{max(1, round(seconds))}s"  # wrk takes whole seconds
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", duration, "--latency",
                           "-s", str(script), url + "/v1/chat/completions"],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if m is None:
+        raise RuntimeError(f"wrk printed no result: {out[-500:]}")
+    rps = float(m.group(1))
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     pct = {}
@@ -302,15 +308,18 @@ async def main() -> None:
     if shutil.which("wrk") is None:
         sys.exit("wrk is needed: apt-get install wrk")
     work = Path(tempfile.mkdtemp(prefix="llmgw-proxy-"))
-    engine_port = free_port()
-    engine = spawn([sys.executable, "-m", "agents.simengine", "--port", str(engine_port),
-                    "--model", MODEL, "--ttft", "0", "--tokens-per-s", "1000000",
-                    "--max-concurrency", "1024"], work / "engine.log")
+    # Two engines behind every proxy (the routers' power-of-two policy needs two).
+    engine_ports = [free_port(), free_port()]
+    engines = [spawn([sys.executable, "-m", "agents.simengine", "--port", str(port),
+                      "--model", MODEL, "--ttft", "0", "--tokens-per-s", "1000000",
+                      "--max-concurrency", "1024"], work / f"engine-{port}.log")
+               for port in engine_ports]
     rows: list[dict[str, Any]] = []
     try:
-        await wait_http(f"http://127.0.0.1:{engine_port}", 30, engine)
+        for port, proc in zip(engine_ports, engines, strict=True):
+            await wait_http(f"http://127.0.0.1:{port}", 30, proc)
         for name in a.paths.split(","):
-            p = await start_path(name, engine_port, work)
+            p = await start_path(name, engine_ports, work)
             row: dict[str, Any] = {"path": name, "unavailable": p.unavailable}
             if not p.unavailable:
                 try:
@@ -335,8 +344,9 @@ async def main() -> None:
             print(f"measured {name}" + (f" (unavailable: {p.unavailable})"
                                          if p.unavailable else ""), flush=True)
     finally:
-        os.killpg(engine.pid, signal.SIGTERM)
-        engine.wait(10)
+        for proc in engines:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(10)
     direct = next((r for r in rows if r["path"] == "direct" and "p50_ms" in r), None)
     for r in rows:
         if direct and "p50_ms" in r:
