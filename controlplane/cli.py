@@ -32,6 +32,11 @@ def _setup_logging(verbose: bool) -> None:
     )
 
 
+# The control plane's status API, for every command that talks to it.
+api_url_option = click.option("--url", default="http://127.0.0.1:18001", show_default=True,
+                              help="The control plane's status API.")
+
+
 def _hostport(_: click.Context, __: click.Parameter, value: str | None) -> tuple[str, int] | None:
     if value is None:
         return None
@@ -379,8 +384,7 @@ def _fetch_status(url: str) -> dict[str, Any]:
 
 
 @main.command()
-@click.option("--url", default="http://127.0.0.1:18001", show_default=True,
-              help="The control plane's status API.")
+@api_url_option
 @click.option("--envoy-admin", default="http://127.0.0.1:9901", show_default=True,
               help="Envoy admin to read per-model traffic from ('' to skip).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status document.")
@@ -433,8 +437,7 @@ def _node_command(url: str, node: str, verb: str) -> None:
 
 @main.command()
 @click.argument("node")
-@click.option("--url", default="http://127.0.0.1:18001", show_default=True,
-              help="The control plane's status API.")
+@api_url_option
 def drain(node: str, url: str) -> None:
     """Move every replica off NODE (new ones start elsewhere first), then keep it empty."""
     _node_command(url, node, "drain")
@@ -442,8 +445,7 @@ def drain(node: str, url: str) -> None:
 
 @main.command()
 @click.argument("node")
-@click.option("--url", default="http://127.0.0.1:18001", show_default=True,
-              help="The control plane's status API.")
+@api_url_option
 def uncordon(node: str, url: str) -> None:
     """Let NODE take replicas again after `llmgw drain`."""
     _node_command(url, node, "uncordon")
