@@ -5,7 +5,10 @@ For each fleet size (endpoints spread 10 per model) a control plane and a real E
 changed (marked draining / back), and we measure, in the control-plane process:
 - latency: from the publisher call to Envoy's ACK of the EDS response;
 - CPU: this process's CPU time over the same span (build, serialize, send, read ACK);
-- bytes: bytes of xDS responses sent for the change.
+- bytes: bytes of xDS responses sent for the change;
+- churn: this process's CPU share (% of one core) while 10 endpoints change a second;
+- memory: growth of this process's RSS for the fleet, per 1000 endpoints (the control
+  plane's state: catalog, endpoints, snapshot, stream state for one Envoy).
 The goal is a cost that follows the change, not the fleet.
 
 Run:  .venv/bin/python bench/xds_push.py [--sizes 10,100,1000,10000] [--changes 30]
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import statistics
 import sys
@@ -47,7 +51,16 @@ def fleet(n: int) -> tuple[Catalog, list[Endpoint]]:
     return cat, eps
 
 
-async def measure(n: int, delta: bool, changes: int) -> dict[str, float]:
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def measure(n: int, delta: bool, changes: int, churn_s: float) -> dict[str, float]:
+    gc.collect()
+    rss0 = rss_mb()
     cat, eps = fleet(n)
     cp = ControlPlane(cat, xds=("127.0.0.1", 0), api=None)
     await cp.start()
@@ -87,6 +100,23 @@ async def measure(n: int, delta: bool, changes: int) -> dict[str, float]:
             cpu.append(time.process_time() - c0)
             lat.append(t_ack - t0)
             sent.append(cp.ads.stats().bytes_sent.get("eds", 0) - b0)
+        # Churn: 10 endpoint changes a second, as a busy fleet would make.
+        cpu_pct = 0.0
+        if churn_s > 0:
+            c0, t0 = time.process_time(), time.perf_counter()
+            k = 0
+            while time.perf_counter() - t0 < churn_s:
+                m = models[k % len(models)]
+                group = list(by_model[m])
+                flip = group[-1]
+                group[-1] = Endpoint(flip.model, flip.host, flip.port, draining=not flip.draining)
+                by_model[m] = group
+                cp.publisher.set_endpoints(m, group)
+                k += 1
+                await asyncio.sleep(max(0.0, t0 + k / 10 - time.perf_counter()))
+            cpu_pct = (time.process_time() - c0) / (time.perf_counter() - t0) * 100
+        gc.collect()
+        rss = rss_mb() - rss0
         pushes = cp.ads.stats().pushes
         assert pushes.get("cds") == 1, f"a cluster was re-sent: {pushes}"
         return {
@@ -96,6 +126,8 @@ async def measure(n: int, delta: bool, changes: int) -> dict[str, float]:
             "cpu_per_change_ms": statistics.median(cpu) * 1000,
             "bytes_per_change": statistics.median(sent),
             "initial_build_s": build_s,
+            "churn_cpu_pct": cpu_pct,
+            "rss_mb_per_1000": rss / max(1, n) * 1000,
         }
     finally:
         await envoy.stop()
@@ -132,15 +164,18 @@ async def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", default="10,100,1000,10000")
     p.add_argument("--changes", type=int, default=30)
+    p.add_argument("--churn-seconds", type=float, default=10.0,
+                   help="10 changes/s for this long at each size (CPU share of one core)")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     rows = []
     for n in [int(x) for x in a.sizes.split(",")]:
         for delta in (False, True):
-            rows.append(await measure(n, delta, a.changes))
+            rows.append(await measure(n, delta, a.changes, a.churn_seconds))
             print(f"measured {n} endpoints, {'delta' if delta else 'sotw'}", flush=True)
     cols = ["endpoints", "models", "mode", "latency_p50_ms", "latency_p99_ms",
-            "cpu_per_change_ms", "bytes_per_change", "initial_build_s"]
+            "cpu_per_change_ms", "bytes_per_change", "initial_build_s", "churn_cpu_pct",
+            "rss_mb_per_1000"]
     print_table("one endpoint change (median over changes)", cols,
                 [[r[c] for c in cols] for r in rows])
     out = write_json("xds_push", {"changes_per_size": a.changes, "results": rows})
