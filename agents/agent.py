@@ -196,7 +196,9 @@ class Agent:
         while True:
             timeout = max(0.0, next_beat - time.monotonic())
             try:
-                st = await asyncio.wait_for(self._updates.get(), timeout)
+                # asyncio.timeout, not wait_for: wait_for can swallow a cancellation.
+                async with asyncio.timeout(timeout):
+                    st = await self._updates.get()
                 await stream.write(AgentMessage(status=st))
             except TimeoutError:
                 seq += 1

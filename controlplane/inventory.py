@@ -251,8 +251,11 @@ class Inventory:
     async def run(self) -> None:
         """The single writer: applies queued events, and ticks the lifecycle clock."""
         while True:
+            # Not asyncio.wait_for: on 3.11 it can swallow a cancellation that arrives as
+            # the queue hands over an item, and the writer would never stop (seen here).
             try:
-                ev, fut = await asyncio.wait_for(self._queue.get(), self.tick_interval)
+                async with asyncio.timeout(self.tick_interval):
+                    ev, fut = await self._queue.get()
             except TimeoutError:
                 ev, fut = Tick(), None
             try:

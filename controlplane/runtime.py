@@ -113,7 +113,11 @@ class ControlPlane:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            # Bounded: a task that does not end on cancel is named, not waited on forever.
+            _, stuck = await asyncio.wait(self._tasks, timeout=5)
+            for t in stuck:
+                log.error("task %s did not stop within 5 s of shutdown", t.get_name())
         self._tasks.clear()
         if self._runner is not None:
             await self._runner.cleanup()
@@ -132,7 +136,7 @@ class ControlPlane:
                 log.exception("%s failed", what)
                 self.failed.set()
 
-        self._tasks.append(asyncio.create_task(guard()))
+        self._tasks.append(asyncio.create_task(guard(), name=what))
 
     async def _reconcile(self) -> None:
         assert self.reconciler is not None and self.agents is not None and self.fleet
