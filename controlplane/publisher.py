@@ -45,7 +45,8 @@ class Publisher:
 
     def set_catalog(self, catalog: Catalog) -> bool:
         """Apply a new catalog. An inconsistent result is refused; the last stays."""
-        snap = build_snapshot(catalog, (e for eps in self._endpoints.values() for e in eps))
+        snap = build_snapshot(catalog, (e for eps in self._endpoints.values() for e in eps),
+                              same_endpoints_as=self._snapshot)
         changed = self._set(snap)
         self._catalog = catalog
         return changed

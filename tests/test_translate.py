@@ -123,3 +123,19 @@ def test_models_list_has_names_and_aliases() -> None:
 
     body = json.loads(models_list_body(parse_catalog(CAT)))
     assert [d["id"] for d in body["data"]] == ["model-a", "a", "alpha", "org/model-b:q4"]
+
+
+def test_catalog_change_reuses_unchanged_resources_and_matches_a_full_build() -> None:
+    cat = parse_catalog(CAT)
+    eps = [Endpoint("model-a", "127.0.0.1", 1), Endpoint("org/model-b:q4", "127.0.0.1", 2)]
+    snap = build_snapshot(cat, eps)
+    changed = parse_catalog(CAT.replace("[a, alpha]", "[a, alpha, al]").replace(
+        "  - name: org/model-b:q4", "  - name: org/model-b:q4\n    routing: {num_retries: 5}"))
+    fast = build_snapshot(changed, eps, same_endpoints_as=snap)
+    full = build_snapshot(changed, eps)
+    assert dict(fast.versions) == dict(full.versions)
+    for t in full.resources:
+        assert {n: r.body for n, r in fast.of_type(t).items()} == {
+            n: r.body for n, r in full.of_type(t).items()}
+    a = cluster_name("model-a")
+    assert fast.of_type(CLUSTER)[a] is snap.of_type(CLUSTER)[a]  # reused, not rebuilt

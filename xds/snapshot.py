@@ -146,10 +146,14 @@ def _assemble(
     return snap
 
 
-def build_snapshot(catalog: Catalog, endpoints: Iterable[Endpoint]) -> Snapshot:
+def build_snapshot(catalog: Catalog, endpoints: Iterable[Endpoint],
+                   same_endpoints_as: Snapshot | None = None) -> Snapshot:
     """Translate a catalog plus Ready endpoints into a checked snapshot.
 
     Endpoints of models not in the catalog are ignored (they cannot be routed to).
+    `same_endpoints_as`: a snapshot built from the same endpoints (a catalog change);
+    its resources for models whose settings did not change are reused as they are, so
+    a catalog edit costs what it changes rather than a rebuild of the whole fleet.
     """
     by_model: dict[str, list[Endpoint]] = {m.name: [] for m in catalog.models}
     for ep in endpoints:
@@ -157,7 +161,18 @@ def build_snapshot(catalog: Catalog, endpoints: Iterable[Endpoint]) -> Snapshot:
             by_model[ep.model].append(ep)
     clusters: dict[str, Resource] = {}
     assignments: dict[str, Resource] = {}
+    prev = same_endpoints_as
     for m in catalog.models:
+        name = translate.cluster_name(m.name)
+        old = prev.catalog.model(m.name) if prev is not None else None
+        if prev is not None and old is not None and name in prev.of_type(CLUSTER):
+            # The cluster depends on routing settings only; the endpoints are the same.
+            if old.routing == m.routing:
+                clusters[name] = prev.of_type(CLUSTER)[name]
+            else:
+                clusters[name] = Resource.of(CLUSTER, name, translate.build_cluster(m))
+            assignments[name] = prev.of_type(ENDPOINT)[name]
+            continue
         c: Cluster = translate.build_cluster(m)
         clusters[c.name] = Resource.of(CLUSTER, c.name, c)
         cla: ClusterLoadAssignment = translate.build_load_assignment(c.name, by_model[m.name])
