@@ -182,9 +182,6 @@ class AgentServer:
 
     # ------------------------------------------------------------------ commands
 
-    def connected_nodes(self) -> list[str]:
-        return sorted(self._outbox)
-
     def send(self, node: str, msg: ControlMessage) -> bool:
         """Queue a command for a node's current stream; False if it is not connected."""
         entry = self._outbox.get(node)

@@ -43,8 +43,7 @@ class DemoPorts:
     agents: int = 18002
 
 
-async def _ready_counts(cp: ControlPlane, envoy: EnvoyProcess, catalog: Catalog
-                        ) -> tuple[int, int]:
+async def _ready_counts(envoy: EnvoyProcess, catalog: Catalog) -> tuple[int, int]:
     """(replicas Envoy can route to, replicas wanted) over all models."""
     have = 0
     for m in catalog.models:
@@ -107,7 +106,7 @@ async def run_demo(catalog_path: Path = DEMO_CATALOG, *, ports: DemoPorts = DEFA
             listener = await envoy.wait_listener()
             deadline = time.monotonic() + timeout
             while True:
-                have, want = await _ready_counts(cp, envoy, catalog)
+                have, want = await _ready_counts(envoy, catalog)
                 nodes = len(cp.inventory.view().nodes)
                 status.update(f"placing replicas: {have}/{want} Ready behind Envoy "
                               f"({nodes}/3 nodes registered)...")

@@ -36,17 +36,16 @@ class Publisher:
         """Published endpoints by model: a copy of immutable tuples."""
         return dict(self._endpoints)
 
+    def _all_endpoints(self) -> list[Endpoint]:
+        return [e for eps in self._endpoints.values() for e in eps]
+
     def publish(self) -> bool:
         """Build from the current input and hand it to the cache; True if it changed."""
-        snap = build_snapshot(
-            self._catalog, (e for eps in self._endpoints.values() for e in eps)
-        )
-        return self._set(snap)
+        return self._set(build_snapshot(self._catalog, self._all_endpoints()))
 
     def set_catalog(self, catalog: Catalog) -> bool:
         """Apply a new catalog. An inconsistent result is refused; the last stays."""
-        snap = build_snapshot(catalog, (e for eps in self._endpoints.values() for e in eps),
-                              same_endpoints_as=self._snapshot)
+        snap = build_snapshot(catalog, self._all_endpoints(), same_endpoints_as=self._snapshot)
         changed = self._set(snap)
         self._catalog = catalog
         return changed

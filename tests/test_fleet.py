@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -196,5 +195,3 @@ async def test_invalid_catalog_edit_is_refused_while_traffic_flows(
     assert load.result.failures == [] and load.result.ok >= 40
     assert [m.max_replicas for m in fleet.catalog().models] == [3, 2]
 
-
-_ = (os, asyncio)

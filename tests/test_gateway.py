@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import socket
@@ -461,6 +460,3 @@ async def test_listener_port_in_use_fails_loudly(
         nack = client.types[LISTENER].last_nack
         assert nack is not None and "ddress already in use" in nack.message
 
-
-# keep linters quiet about helpers only some tests use
-_ = contextlib

@@ -18,7 +18,7 @@ Rules held here (see DESIGN.md section 2):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import envoy_data_plane.envoy.config.core.v3 as core
@@ -114,12 +114,6 @@ class _Machine:
     def _next_nonce(self) -> str:
         self._nonce += 1
         return str(self._nonce)
-
-    def subscribed(self, type_url: str) -> bool:
-        return type_url in self._types
-
-    def state(self, type_url: str) -> _TypeState | None:
-        return self._types.get(type_url)
 
     def _targets(self, t: str, st: _TypeState, snap: Snapshot) -> list[str]:
         current = snap.of_type(t)
@@ -375,11 +369,3 @@ class DeltaStream(_Machine):
             control_plane=CONTROL_PLANE,
         )
         return Push(t, nonce, snap.version(t), tuple(r.name for r in out), removed, msg)
-
-
-def resource_versions(push: Push) -> Mapping[str, str]:
-    """name -> version of what a push carries (delta) — handy in tests and status."""
-    msg = push.message
-    if isinstance(msg, DeltaDiscoveryResponse):
-        return {r.name: r.version for r in msg.resources}
-    return {n: push.version for n in push.names}
