@@ -362,3 +362,64 @@ def test_generated_sequences_converge_and_nonces_rise(snaps, delta) -> None:
         # Nothing more to send for the same snapshot.
         assert m.update(snap).pushes == []
     assert sent_nonces == sorted(sent_nonces) and len(set(sent_nonces)) == len(sent_nonces)
+
+
+@st.composite
+def patch_ops(draw):
+    """A base snapshot, then endpoint patches (some not seen by the stream) and rebuilds."""
+    base = draw(snapshots())
+    ops = draw(st.lists(st.tuples(
+        st.sampled_from(["patch", "patch", "patch", "rebuild", "unseen"]),
+        st.sampled_from(MODELS), st.lists(st.integers(1, 4), unique=True, max_size=3),
+        snapshots()), max_size=8))
+    return base, ops
+
+
+@settings(max_examples=60, deadline=None)
+@given(patch_ops(), st.booleans())
+def test_patched_snapshots_push_the_same_as_a_full_diff(case, delta) -> None:
+    """The changed-names hint of a patched snapshot never changes what is sent."""
+    import dataclasses
+
+    base, ops = case
+    hinted, full = (DeltaStream(), DeltaStream()) if delta else (SotwStream(), SotwStream())
+    envs = [FakeEnvoy(delta), FakeEnvoy(delta)]
+
+    def pushes_of(step) -> list:
+        return [(p.type_url, p.names, p.removed, p.version) for p in step.pushes]
+
+    def both(call) -> None:
+        steps = [call(hinted, False), call(full, True)]
+        assert pushes_of(steps[0]) == pushes_of(steps[1])
+        reqs = [envs[0].apply(steps[0].pushes), envs[1].apply(steps[1].pushes)]
+        for _ in range(20):
+            if not reqs[0] and not reqs[1]:
+                return
+            assert len(reqs[0]) == len(reqs[1])
+            nxt: list[list] = [[], []]
+            for a, b in zip(reqs[0], reqs[1], strict=True):
+                sa, sb = hinted.receive(a), full.receive(b)
+                assert pushes_of(sa) == pushes_of(sb)
+                nxt[0] += envs[0].apply(sa.pushes)
+                nxt[1] += envs[1].apply(sb.pushes)
+            reqs = nxt
+
+    def strip(snap):
+        return dataclasses.replace(snap, base=None)
+
+    both(lambda m, s: m.update(strip(base) if s else base))
+    for t in (CLUSTER, LISTENER, ROUTE):
+        def sub(m, _s, t=t):
+            if delta:
+                return m.receive(delta_req(t, sub=["llmgw"] if t == ROUTE else []))
+            return m.receive(sotw_req(t, envs[0].names(t)))
+        both(sub)
+    snap = base
+    for kind, model, ports, other in ops:
+        if kind == "rebuild":
+            snap = other
+        elif snap.catalog.model(model) is not None:
+            eps = [Endpoint(model, "127.0.0.1", 1000 + p) for p in ports]
+            snap = snap.with_endpoints(model, eps)
+        if kind != "unseen":
+            both(lambda m, s, cur=snap: m.update(strip(cur) if s else cur))

@@ -18,7 +18,7 @@ Rules held here (see DESIGN.md section 2):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import envoy_data_plane.envoy.config.core.v3 as core
@@ -110,6 +110,10 @@ class _Machine:
         self._types: dict[str, _TypeState] = {}
         self._nonce = 0
         self._snap: Snapshot | None = None
+        # While applying a snapshot patched from the one this stream last applied:
+        # the names that changed per type. Only those can differ from what Envoy
+        # was sent, so the diff costs the change, not the fleet.
+        self._hint: Mapping[str, frozenset[str]] | None = None
 
     def _next_nonce(self) -> str:
         self._nonce += 1
@@ -128,7 +132,14 @@ class _Machine:
         current = snap.of_type(t)
         forced = set(force)
         out: list[Resource] = []
-        for n in self._targets(t, st, snap):
+        if self._hint is not None:
+            changed = self._hint.get(t, frozenset()) | forced
+            names = sorted(n for n in changed if st.wildcard or n in st.names)
+            known: Iterable[str] = [n for n in changed if n in st.known]
+        else:
+            names = self._targets(t, st, snap)
+            known = st.known
+        for n in names:
             res = current.get(n)
             if res is None:
                 if t != ENDPOINT:
@@ -138,14 +149,19 @@ class _Machine:
                 res = _empty_assignment(n)
             if st.known.get(n) != res.version or n in forced:
                 out.append(res)
-        removed = sorted(n for n in st.known if n not in current and (st.wildcard or t != ENDPOINT))
+        removed = sorted(n for n in known if n not in current and (st.wildcard or t != ENDPOINT))
         return out, sorted(forced & {r.name for r in out}), removed
 
     def update(self, snap: Snapshot) -> Step:
         """A new snapshot: push what changed for each subscribed type, in order."""
-        self._snap = snap
+        prev, self._snap = self._snap, snap
+        if prev is not None and snap.base is not None and snap.base[0] == prev.serial:
+            self._hint = snap.base[1]
         step = Step()
-        self._push_all(snap, step)
+        try:
+            self._push_all(snap, step)
+        finally:
+            self._hint = None
         return step
 
     def _push_all(self, snap: Snapshot, step: Step) -> None:

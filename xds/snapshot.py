@@ -11,6 +11,7 @@ input always has the same version, across restarts too.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -59,14 +60,25 @@ class Resource:
         return cls(type_url, name, body, _digest(body))
 
 
-def _type_version(resources: Mapping[str, Resource]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(resources):
-        h.update(name.encode())
-        h.update(b"\0")
-        h.update(resources[name].version.encode())
-        h.update(b"\n")
-    return h.hexdigest()[:16]
+_MASK = (1 << 64) - 1
+
+
+def _entry(name: str, version: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{name}\0{version}".encode()).digest()[:8], "big")
+
+
+def _type_sum(resources: Mapping[str, Resource]) -> int:
+    # A sum of per-resource hashes, not a hash of the sorted list: replacing one
+    # resource updates it in O(1) (subtract the old entry, add the new one), and
+    # it is still a pure function of the content.
+    return sum(_entry(n, r.version) for n, r in resources.items()) & _MASK
+
+
+def _version_of(total: int) -> str:
+    return f"{total:016x}"
+
+
+_serials = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,12 @@ class Snapshot:
     catalog: Catalog = field(compare=False)
     # Cluster names referenced by each route config, for the consistency check.
     route_clusters: Mapping[str, frozenset[str]] = field(compare=False)
+    # Per-type sums behind `versions`, to update a version without a full walk.
+    sums: Mapping[str, int] = field(compare=False, default_factory=dict)
+    # Identity of this snapshot, and (serial of the snapshot it was patched from,
+    # names changed per type): lets a stream in sync with the base diff only those.
+    serial: int = field(compare=False, default_factory=lambda: next(_serials))
+    base: tuple[int, Mapping[str, frozenset[str]]] | None = field(compare=False, default=None)
 
     def of_type(self, type_url: str) -> Mapping[str, Resource]:
         return self.resources.get(type_url, MappingProxyType({}))
@@ -114,11 +132,23 @@ class Snapshot:
         name = translate.cluster_name(model)
         if name not in self.of_type(CLUSTER):
             raise InconsistentSnapshot(f"model {model!r} is not in the catalog")
-        cla = translate.build_load_assignment(name, endpoints)
-        new = dict(self.of_type(ENDPOINT))
-        new[name] = Resource.of(ENDPOINT, name, cla)
-        return _assemble(
-            {**self.resources, ENDPOINT: new}, self.catalog, self.route_clusters, self.versions
+        res = Resource.of(ENDPOINT, name, translate.build_load_assignment(name, endpoints))
+        eds = self.of_type(ENDPOINT)
+        prev = eds[name]
+        if prev.version == res.version:
+            return self
+        new = dict(eds)
+        new[name] = res
+        total = (self.sums[ENDPOINT] - _entry(name, prev.version) + _entry(name, res.version))
+        total &= _MASK
+        # The same names as before, so the consistency checked at assembly still holds.
+        return Snapshot(
+            resources=MappingProxyType({**self.resources, ENDPOINT: MappingProxyType(new)}),
+            versions=MappingProxyType({**self.versions, ENDPOINT: _version_of(total)}),
+            catalog=self.catalog,
+            route_clusters=self.route_clusters,
+            sums=MappingProxyType({**self.sums, ENDPOINT: total}),
+            base=(self.serial, MappingProxyType({ENDPOINT: frozenset({name})})),
         )
 
 
@@ -126,21 +156,15 @@ def _assemble(
     resources: Mapping[str, Mapping[str, Resource]],
     catalog: Catalog,
     route_clusters: Mapping[str, frozenset[str]],
-    old_versions: Mapping[str, str] | None = None,
 ) -> Snapshot:
     frozen = {t: MappingProxyType(dict(r)) for t, r in resources.items()}
-    versions = {}
-    for t, r in frozen.items():
-        # Unchanged types keep their version without re-hashing every name.
-        if old_versions is not None and t != ENDPOINT and t in old_versions:
-            versions[t] = old_versions[t]
-        else:
-            versions[t] = _type_version(r)
+    sums = {t: _type_sum(r) for t, r in frozen.items()}
     snap = Snapshot(
         resources=MappingProxyType(frozen),
-        versions=MappingProxyType(versions),
+        versions=MappingProxyType({t: _version_of(v) for t, v in sums.items()}),
         catalog=catalog,
         route_clusters=MappingProxyType(dict(route_clusters)),
+        sums=MappingProxyType(sums),
     )
     snap.check()
     return snap
