@@ -4,8 +4,13 @@ Owns a small aiohttp server that behaves like a vLLM replica from the outside:
 /v1/chat/completions and /v1/completions (JSON and SSE, token by token with a
 configurable time to first token and token rate), /v1/models, /health, and /metrics
 with vLLM's metric names. A concurrency limit queues requests so load shows in the
-metrics. Faults (error rate, added latency, hang, crash, failing health) come from
-flags or from POST /admin/fault, for tests.
+metrics. Like vLLM, a request that carries `endpoint-load-metrics-format: TEXT|JSON`
+gets an ORCA load report in the `endpoint-load-metrics` response header (named
+metrics kv_cache_usage_perc and num_requests_waiting); unlike vLLM it also reports
+rps_fractional (its request rate), without which Envoy's client-side weighted round
+robin cannot compute a weight (`orca_rps=False` reproduces vLLM exactly). Faults
+(error rate, added latency, hang, crash, failing health) come from flags or from
+POST /admin/fault, for tests.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -45,6 +51,8 @@ class EngineConfig:
     default_max_tokens: int = 16
     max_concurrency: int = 64
     kv_cache_tokens: int = 65536
+    # Report rps_fractional in ORCA headers (vLLM does not).
+    orca_rps: bool = True
 
 
 class _Metrics:
@@ -79,6 +87,9 @@ class SimEngine:
         self._running = 0
         self._kv_in_use = 0
         self.served = 0
+        # Request rate for ORCA: an exponentially decayed count (time constant 2 s).
+        self._rate = 0.0
+        self._rate_at = time.monotonic()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1024**3)
@@ -151,6 +162,8 @@ class SimEngine:
         prompt_tokens = max(1, len(prompt) // 4)
         stream = bool(body.get("stream"))
         t0 = time.monotonic()
+        self._count_request(t0)
+        orca = self._orca_header(req.headers.get("endpoint-load-metrics-format", ""))
         self._waiting += 1
         try:
             await self._slots.acquire()
@@ -165,7 +178,7 @@ class SimEngine:
             self.served += 1
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:12]
             if stream:
-                return await self._stream(req, rid, chat, max_tokens, prompt_tokens)
+                return await self._stream(req, rid, chat, max_tokens, prompt_tokens, orca)
             await asyncio.sleep(max_tokens / self.cfg.tokens_per_s)
             text = " ".join(f"tok{i}" for i in range(max_tokens))
             self.metrics.gen.labels(self.cfg.model).inc(max_tokens)
@@ -181,19 +194,60 @@ class SimEngine:
                  "system_fingerprint": self.cfg.replica_id, "choices": [choice],
                  "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
                            "total_tokens": prompt_tokens + max_tokens}},
-                headers=self._headers())
+                headers=self._headers(orca))
         finally:
             self._running -= 1
             self._kv_in_use -= prompt_tokens + max_tokens
             self._slots.release()
 
-    def _headers(self) -> dict[str, str]:
-        return {"x-llmgw-replica": self.cfg.replica_id}
+    _RATE_TAU_S = 2.0
+
+    def _count_request(self, now: float) -> None:
+        self._rate = self._decayed_rate(now) + 1.0 / self._RATE_TAU_S
+        self._rate_at = now
+
+    def _decayed_rate(self, now: float) -> float:
+        return self._rate * math.exp(-(now - self._rate_at) / self._RATE_TAU_S)
+
+    def orca_report(self) -> dict[str, float]:
+        """The load report vLLM would send, plus rps_fractional unless turned off."""
+        kv = min(1.0, self._kv_in_use / self.cfg.kv_cache_tokens)
+        out = {"named_metrics.kv_cache_usage_perc": kv,
+               "named_metrics.num_requests_waiting": float(self._waiting)}
+        if self.cfg.orca_rps:
+            out["rps_fractional"] = self._decayed_rate(time.monotonic())
+        return out
+
+    def _orca_header(self, fmt: str) -> dict[str, str]:
+        """Computed when the request arrives (with it counted), as vLLM does."""
+        fmt = fmt.strip().upper()
+        if fmt not in ("TEXT", "JSON"):
+            return {}
+        self._kv_in_use += 1  # this request, so a report is never all zero
+        try:
+            rep = self.orca_report()
+        finally:
+            self._kv_in_use -= 1
+        if fmt == "TEXT":
+            value = "TEXT " + ", ".join(f"{k}={v:.6g}" for k, v in rep.items())
+        else:
+            doc: dict[str, Any] = {"named_metrics": {}}
+            for k, v in rep.items():
+                if k.startswith("named_metrics."):
+                    doc["named_metrics"][k.removeprefix("named_metrics.")] = v
+                else:
+                    doc[k] = v
+            value = "JSON " + json.dumps(doc)
+        return {"endpoint-load-metrics": value}
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {"x-llmgw-replica": self.cfg.replica_id, **(extra or {})}
 
     async def _stream(self, req: web.Request, rid: str, chat: bool, max_tokens: int,
-                      prompt_tokens: int) -> web.StreamResponse:
+                      prompt_tokens: int, orca: dict[str, str]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache", **self._headers()})
+                                           "Cache-Control": "no-cache",
+                                           **self._headers(orca)})
         await resp.prepare(req)
         obj = "chat.completion.chunk" if chat else "text_completion"
         gap = 1.0 / self.cfg.tokens_per_s
@@ -257,10 +311,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--error-rate", type=float, default=0.0)
     p.add_argument("--latency", type=float, default=0.0, help="added seconds before first token")
+    p.add_argument("--no-orca-rps", action="store_true",
+                   help="ORCA reports exactly as vLLM sends them (no rps_fractional)")
     a = p.parse_args(argv)
     cfg = EngineConfig(model=a.model, replica_id=a.replica_id or f"{a.host}:{a.port}",
                        ttft_s=a.ttft, tokens_per_s=a.tokens_per_s,
-                       max_concurrency=a.max_concurrency)
+                       max_concurrency=a.max_concurrency, orca_rps=not a.no_orca_rps)
     asyncio.run(serve(cfg, a.host, a.port, Faults(error_rate=a.error_rate, latency_s=a.latency)))
 
 

@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -53,6 +54,39 @@ class Routing(_Frozen):
     max_pending_requests: int = Field(4096, ge=1)
     max_requests: int = Field(4096, ge=1)
     max_retries: int = Field(64, ge=0)
+    # How Envoy picks a replica (docs: README "Load-aware routing"):
+    #  least_request  Envoy's least-request on its own in-flight counts only;
+    #  weighted       least-request on top of EDS weights the control plane derives
+    #                 from each replica's /metrics (queue, running, KV cache);
+    #  orca           client_side_weighted_round_robin on ORCA load reports the
+    #                 engine returns in the endpoint-load-metrics response header.
+    load_balancing: Literal["least_request", "weighted", "orca"] = "weighted"
+    # ORCA (load_balancing: orca): a replica must report this long before its weight
+    # is used, reports older than the expiry are dropped, weights recomputed this often.
+    orca_blackout_s: float = Field(1.0, ge=0)
+    orca_weight_expiration_s: float = Field(30.0, gt=0)
+    orca_weight_update_s: float = Field(0.5, ge=0.1)
+    # Session affinity: requests carrying this header hash (Maglev) to one replica, so
+    # a conversation reuses its prefix cache; requests without it are load-balanced.
+    session_header: str | None = Field(None, pattern=r"^[a-z0-9-]{1,64}$")
+
+
+class Autoscale(_Frozen):
+    """Scale a model between min_replicas and max_replicas from its engines' load.
+
+    Up one replica when the average queue per serving replica stays at or above
+    `up_waiting_per_replica` (or KV-cache usage at or above `up_kv_usage`) for
+    `up_after_s`; down one when requests running plus waiting per replica stay at or
+    below `down_load_per_replica` for `down_after_s` (the replica is drained first).
+    After any decision nothing changes for `cooldown_s`.
+    """
+
+    up_waiting_per_replica: float = Field(1.0, gt=0)
+    up_kv_usage: float = Field(0.9, gt=0, le=1)
+    up_after_s: float = Field(10.0, ge=0)
+    down_load_per_replica: float = Field(0.5, ge=0)
+    down_after_s: float = Field(60.0, ge=0)
+    cooldown_s: float = Field(30.0, ge=0)
 
 
 ENGINES = ("vllm", "sglang", "llamacpp", "sim")
@@ -111,6 +145,8 @@ class Model(_Frozen):
     profiles: tuple[Profile, ...] = (Profile(engine="sim"),)
     # Seconds a draining replica gets to finish in-flight requests before it stops.
     drain_timeout_s: float = Field(120.0, ge=0)
+    # Load-driven replica count within [min_replicas, max_replicas]; None: fixed.
+    autoscale: Autoscale | None = None
 
     @property
     def priority(self) -> int:

@@ -116,6 +116,7 @@ class HostState:
     eds_health: str
     failed_outlier_check: bool
     failed_active_hc: bool
+    weight: int = 1
 
 
 class EnvoyProcess:
@@ -253,6 +254,7 @@ class EnvoyProcess:
                     eds_health=hs.get("eds_health_status", ""),
                     failed_outlier_check=bool(hs.get("failed_outlier_check")),
                     failed_active_hc=bool(hs.get("failed_active_health_check")),
+                    weight=int(h.get("weight", 1)),
                 ))
             return sorted(out, key=lambda h: h.address)
         return []

@@ -21,10 +21,13 @@ from aiohttp import web
 
 from controlplane import metrics
 from controlplane.agent_server import AgentAuth, AgentServer
+from controlplane.autoscaler import Autoscaler
 from controlplane.catalog import Catalog
 from controlplane.catalog_watch import CatalogWatcher
 from controlplane.fleet_source import InventorySource
 from controlplane.inventory import Inventory
+from controlplane.load_poller import LoadPoller
+from controlplane.load_weights import LoadWeights
 from controlplane.publisher import EndpointSource, Publisher
 from controlplane.reconciler import Reconciler
 from controlplane.status_api import start_api, status_document
@@ -53,6 +56,8 @@ class ControlPlane:
         resync_s: float = 1.0,
         expected_nodes: Sequence[str] = (),
         reconcile: bool = True,
+        load_interval_s: float = 1.0,
+        weight_min_interval_s: float = 2.0,
     ) -> None:
         self.cache = SnapshotCache()
         self.ads = AdsServer(self.cache)
@@ -85,6 +90,20 @@ class ControlPlane:
             self._sources.append(self.fleet)
         self.watcher = (CatalogWatcher(catalog_path, self.set_catalog)
                         if catalog_path is not None else None)
+        # Engine load: polled from each replica's /metrics, never in the request path.
+        self.load: LoadPoller | None = None
+        self.weights: LoadWeights | None = None
+        self.autoscaler: Autoscaler | None = None
+        if load_interval_s > 0:
+            self.load = LoadPoller(self.publisher.endpoints, interval_s=load_interval_s,
+                                   timeout_s=min(1.0, load_interval_s))
+            self.weights = LoadWeights(self.publisher.set_weights, enabled=self._weighted,
+                                       min_interval_s=weight_min_interval_s)
+            self.load.add_listener(self.weights)
+            if self.reconciler is not None:
+                self.autoscaler = Autoscaler(lambda: self.publisher.catalog,
+                                             self._autoscale_targets, self._scale_to)
+                self.load.add_listener(self.autoscaler)
         metrics.track(self)
 
     # ------------------------------------------------------------------ lifecycle
@@ -107,6 +126,8 @@ class ControlPlane:
             self._spawn(self._reconcile(), "reconciler")
         if self.watcher is not None:
             self._spawn(self.watcher.run(), "catalog watcher")
+        if self.load is not None:
+            self._spawn(self.load.run(), "load poller")
         if self.state_dir is not None:
             self._spawn(self._remember_nodes(), "node list writer")
 
@@ -149,10 +170,30 @@ class ControlPlane:
 
     def set_catalog(self, catalog: Catalog) -> None:
         self.publisher.set_catalog(catalog)
+        if self.reconciler is not None:
+            # A model no longer autoscaled keeps its count, no longer the scaler's wish.
+            for m in catalog.models:
+                if m.autoscale is None:
+                    self.reconciler.desired.pop(m.name, None)
         if self.fleet is not None:
             self.fleet.publish(self.publisher)
         if self.reconciler is not None:
             self.reconciler.trigger()
+
+    # ------------------------------------------------------------------ load
+
+    def _weighted(self, model: str) -> bool:
+        m = self.publisher.catalog.model(model)
+        return m is not None and m.routing.load_balancing == "weighted"
+
+    def _autoscale_targets(self) -> dict[str, int]:
+        assert self.reconciler is not None
+        return {m.name: self.reconciler.target(m) for m in self.publisher.catalog.models}
+
+    def _scale_to(self, model: str, replicas: int) -> None:
+        assert self.reconciler is not None
+        self.reconciler.desired[model] = replicas
+        self.reconciler.trigger()
 
     # ------------------------------------------------------------------ known nodes
 
@@ -187,7 +228,9 @@ class ControlPlane:
 
     def status(self) -> dict[str, Any]:
         return status_document(self.publisher, self.ads, self.inventory.view(),
-                               self.reconciler, self.watcher)
+                               self.reconciler, self.watcher,
+                               load=self.load.view if self.load else None,
+                               autoscaler=self.autoscaler)
 
     def command(self, verb: str, node: str) -> tuple[int, str]:
         """Operator commands from the API: cordon (drain) and uncordon a node."""

@@ -1,10 +1,11 @@
 """The control plane's HTTP API: /status (JSON), /metrics (Prometheus), node commands.
 
 Owns the operator's view: catalog models with their published endpoints, nodes with
-GPUs used and free, replicas by state, the reconciler's recent decisions and what it
-could not place, and every Envoy's last ACK and NACK. The document is built from
-immutable snapshots. The only writes are `POST /nodes/{name}/drain|uncordon`, handed to
-the reconciler. Binds loopback unless told otherwise.
+GPUs used and free, replicas by state, each replica's load and weight, the
+reconciler's and the autoscaler's recent decisions and what could not be placed,
+and every Envoy's last ACK and NACK. The document is built from immutable snapshots.
+The only writes are `POST /nodes/{name}/drain|uncordon`, handed to the reconciler.
+Binds loopback unless told otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from xds.server import AdsServer
 from xds.snapshot import SHORT
 
 if TYPE_CHECKING:
+    from controlplane.autoscaler import Autoscaler
     from controlplane.catalog_watch import CatalogWatcher
+    from controlplane.load_poller import LoadView
     from controlplane.reconciler import Reconciler
 
 
@@ -49,10 +52,22 @@ def _nodes(view: InventoryView) -> list[dict[str, Any]]:
 
 def status_document(publisher: Publisher, ads: AdsServer, view: InventoryView | None = None,
                     reconciler: Reconciler | None = None,
-                    watcher: CatalogWatcher | None = None) -> dict[str, Any]:
+                    watcher: CatalogWatcher | None = None, load: LoadView | None = None,
+                    autoscaler: Autoscaler | None = None) -> dict[str, Any]:
     live, closed = ads.clients.snapshot()
     snap = ads.cache.snapshot
     eps = publisher.endpoints()
+    weights = publisher.weights()
+    load = load or {}
+
+    def endpoint(model: str, address: str) -> dict[str, Any]:
+        r = load.get(address)
+        out: dict[str, Any] = {"weight": weights.get(model, {}).get(address)}
+        if r is not None:
+            out["load"] = ({"running": r.running, "waiting": r.waiting, "kv_usage": r.kv_usage,
+                            "ttft_s": r.ttft_s} if r.ok else {"error": r.error})
+        return out
+
     doc: dict[str, Any] = {
         "models": [
             {
@@ -62,8 +77,12 @@ def status_document(publisher: Publisher, ads: AdsServer, view: InventoryView | 
                 "max_replicas": m.max_replicas,
                 "target": reconciler.target(m) if reconciler else m.min_replicas,
                 "unplaced": (reconciler.unplaced.get(m.name, "") if reconciler else ""),
+                "load_balancing": m.routing.load_balancing,
+                "session_header": m.routing.session_header,
+                "autoscale": m.autoscale is not None,
                 "endpoints": [
-                    {"address": e.address, "replica_id": e.replica_id, "draining": e.draining}
+                    {"address": e.address, "replica_id": e.replica_id, "draining": e.draining,
+                     **endpoint(m.name, e.address)}
                     for e in eps.get(m.name, ())
                 ],
             }
@@ -81,6 +100,8 @@ def status_document(publisher: Publisher, ads: AdsServer, view: InventoryView | 
     if reconciler is not None:
         doc["cordoned"] = sorted(reconciler.cordoned)
         doc["decisions"] = [d.__dict__ for d in list(reconciler.decisions)[-30:]]
+    if autoscaler is not None:
+        doc["autoscaler"] = [d.__dict__ for d in list(autoscaler.decisions)[-30:]]
     if watcher is not None:
         doc["catalog"] = {"path": str(watcher.path), "reloads": watcher.applied,
                           "refused": watcher.refused, "last_error": watcher.last_error}

@@ -38,6 +38,29 @@ def _models(doc: dict[str, Any]) -> Table:
     return t
 
 
+def _load(doc: dict[str, Any]) -> Table | None:
+    t = Table(title="Replica load (from engine /metrics)", title_justify="left")
+    for col in ("model", "replica", "balancing", "running", "waiting", "KV cache", "TTFT",
+                "weight"):
+        t.add_column(col)
+    rows = 0
+    for m in doc.get("models", []):
+        for e in m.get("endpoints", []):
+            ld = e.get("load")
+            if ld is None:
+                continue
+            rows += 1
+            if "error" in ld:
+                cells = [f"[red]{ld['error']}[/]", "", "", ""]
+            else:
+                ttft = ld.get("ttft_s")
+                cells = [f"{ld['running']:g}", f"{ld['waiting']:g}", f"{ld['kv_usage']:.0%}",
+                         "-" if ttft is None else f"{ttft * 1000:.0f} ms"]
+            t.add_row(m["name"], e["address"], m.get("load_balancing", ""), *cells,
+                      str(e.get("weight") or "equal"))
+    return t if rows else None
+
+
 def _nodes(doc: dict[str, Any]) -> Table:
     t = Table(title="Nodes", title_justify="left")
     for col in ("node", "state", "GPUs used/total", "replicas", "labels"):
@@ -137,6 +160,9 @@ def status_renderables(doc: dict[str, Any], envoy_admin: str | None = None) -> l
             console.print(_traffic(envoy_traffic(envoy_admin, models), envoy_admin))
         except OSError as e:
             console.print(Text(f"Envoy admin {envoy_admin} unreachable: {e}", style="yellow"))
+    load = _load(doc)
+    if load is not None:
+        console.print(load)
     if doc.get("nodes"):
         console.print(_nodes(doc))
         states = Counter(r["state"] for n in doc["nodes"] for r in n["replicas"])
@@ -150,6 +176,12 @@ def status_renderables(doc: dict[str, Any], envoy_admin: str | None = None) -> l
     if cat and cat.get("last_error"):
         console.print(f"[red]last catalog edit refused[/] (last good catalog in force):\n"
                       f"{cat['last_error']}")
+    scaling = doc.get("autoscaler", [])
+    if scaling:
+        console.print("autoscaler:")
+        for d in scaling[-10:]:
+            console.print(f"  {_ago(d['at'])}: {d['model']} {d['from_replicas']} -> "
+                          f"{d['to_replicas']} replicas: {d['reason']}")
     decisions = doc.get("decisions", [])
     if decisions:
         console.print("recent decisions:")

@@ -140,15 +140,19 @@ async def gateway(mode: str, tmp_path: Path) -> AsyncIterator[GatewayFactory]:
     started: list[Gateway] = []
 
     async def make(catalog: str | Catalog, endpoints: list[Endpoint] = (),  # type: ignore[assignment]
-                   listener_port: int | None = None, wait_listener: bool = True) -> Gateway:
+                   listener_port: int | None = None, wait_listener: bool = True,
+                   load_interval_s: float = 0.0, **cp_args: object) -> Gateway:
         port = listener_port or free_port()
         if isinstance(catalog, str):
             text = catalog
             catalog = parse_catalog(text)
         catalog = catalog.model_copy(
             update={"listener": catalog.listener.model_copy(update={"port": port})})
+        # The load poller is off unless a test asks for it: its weight updates would
+        # add EDS pushes to tests that count them.
         cp = ControlPlane(catalog, xds=("127.0.0.1", 0), api=None,
-                          sources=[StaticSource(endpoints)])
+                          sources=[StaticSource(endpoints)], load_interval_s=load_interval_s,
+                          **cp_args)  # type: ignore[arg-type]
         await cp.start()
         envoy = EnvoyProcess("127.0.0.1", cp.xds_port, delta=(mode == "delta"),
                              node_id=f"test-{mode}", workdir=tmp_path)

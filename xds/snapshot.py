@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import betterproto2
-from envoy_data_plane.envoy.config.cluster.v3 import Cluster
-from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment
 from envoy_data_plane.envoy.config.route.v3 import RouteConfiguration
 
 from controlplane.catalog import Catalog
@@ -97,6 +95,8 @@ class Snapshot:
     # names changed per type): lets a stream in sync with the base diff only those.
     serial: int = field(compare=False, default_factory=lambda: next(_serials))
     base: tuple[int, Mapping[str, frozenset[str]]] | None = field(compare=False, default=None)
+    # Model name -> its cluster names (one, or two with a session cluster).
+    _model_clusters: Mapping[str, tuple[str, ...]] = field(compare=False, default_factory=dict)
 
     def of_type(self, type_url: str) -> Mapping[str, Resource]:
         return self.resources.get(type_url, MappingProxyType({}))
@@ -129,26 +129,32 @@ class Snapshot:
 
         Costs the size of that model's assignment; everything else is shared.
         """
-        name = translate.cluster_name(model)
-        if name not in self.of_type(CLUSTER):
+        names = self._model_clusters.get(model)
+        if not names:
             raise InconsistentSnapshot(f"model {model!r} is not in the catalog")
-        res = Resource.of(ENDPOINT, name, translate.build_load_assignment(name, endpoints))
+        endpoints = tuple(endpoints)
         eds = self.of_type(ENDPOINT)
-        prev = eds[name]
-        if prev.version == res.version:
+        total = self.sums[ENDPOINT]
+        new: dict[str, Resource] = {}
+        for name in names:
+            res = Resource.of(ENDPOINT, name, translate.build_load_assignment(name, endpoints))
+            prev = eds[name]
+            if prev.version != res.version:
+                new[name] = res
+                total += _entry(name, res.version) - _entry(name, prev.version)
+        if not new:
             return self
-        new = dict(eds)
-        new[name] = res
-        total = (self.sums[ENDPOINT] - _entry(name, prev.version) + _entry(name, res.version))
         total &= _MASK
         # The same names as before, so the consistency checked at assembly still holds.
         return Snapshot(
-            resources=MappingProxyType({**self.resources, ENDPOINT: MappingProxyType(new)}),
+            resources=MappingProxyType({**self.resources,
+                                        ENDPOINT: MappingProxyType({**eds, **new})}),
             versions=MappingProxyType({**self.versions, ENDPOINT: _version_of(total)}),
             catalog=self.catalog,
             route_clusters=self.route_clusters,
             sums=MappingProxyType({**self.sums, ENDPOINT: total}),
-            base=(self.serial, MappingProxyType({ENDPOINT: frozenset({name})})),
+            base=(self.serial, MappingProxyType({ENDPOINT: frozenset(new)})),
+            _model_clusters=self._model_clusters,
         )
 
 
@@ -165,6 +171,9 @@ def _assemble(
         catalog=catalog,
         route_clusters=MappingProxyType(dict(route_clusters)),
         sums=MappingProxyType(sums),
+        _model_clusters=MappingProxyType({
+            m.name: tuple(n for n in translate.cluster_names(m) if n in frozen.get(CLUSTER, {}))
+            for m in catalog.models}),
     )
     snap.check()
     return snap
@@ -187,20 +196,24 @@ def build_snapshot(catalog: Catalog, endpoints: Iterable[Endpoint],
     assignments: dict[str, Resource] = {}
     prev = same_endpoints_as
     for m in catalog.models:
-        name = translate.cluster_name(m.name)
         old = prev.catalog.model(m.name) if prev is not None else None
-        if prev is not None and old is not None and name in prev.of_type(CLUSTER):
-            # The cluster depends on routing settings only; the endpoints are the same.
-            if old.routing == m.routing:
-                clusters[name] = prev.of_type(CLUSTER)[name]
-            else:
-                clusters[name] = Resource.of(CLUSTER, name, translate.build_cluster(m))
-            assignments[name] = prev.of_type(ENDPOINT)[name]
+        names = translate.cluster_names(m)
+        if (prev is not None and old is not None
+                and translate.cluster_names(old) == names
+                and all(n in prev.of_type(CLUSTER) for n in names)):
+            # Clusters depend on routing settings only; the endpoints are the same.
+            same = old.routing == m.routing
+            for c in ([] if same else translate.build_clusters(m)):
+                clusters[c.name] = Resource.of(CLUSTER, c.name, c)
+            for n in names:
+                if same:
+                    clusters[n] = prev.of_type(CLUSTER)[n]
+                assignments[n] = prev.of_type(ENDPOINT)[n]
             continue
-        c: Cluster = translate.build_cluster(m)
-        clusters[c.name] = Resource.of(CLUSTER, c.name, c)
-        cla: ClusterLoadAssignment = translate.build_load_assignment(c.name, by_model[m.name])
-        assignments[c.name] = Resource.of(ENDPOINT, c.name, cla)
+        for c in translate.build_clusters(m):
+            clusters[c.name] = Resource.of(CLUSTER, c.name, c)
+            cla = translate.build_load_assignment(c.name, by_model[m.name])
+            assignments[c.name] = Resource.of(ENDPOINT, c.name, cla)
     lst = translate.build_listener(catalog)
     rc: RouteConfiguration = translate.build_routes(catalog)
     used = frozenset(

@@ -27,6 +27,9 @@ import envoy_data_plane.envoy.extensions.filters.network.http_connection_manager
 import envoy_data_plane.envoy.extensions.retry.host.previous_hosts.v3 as previous_hosts
 import envoy_data_plane.envoy.type.matcher.v3 as matcher
 import envoy_data_plane.envoy.type.v3 as type_v3
+from envoy_data_plane.envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (  # noqa: E501
+    ClientSideWeightedRoundRobin,
+)
 from envoy_data_plane.google.protobuf import Any, ListValue, Struct, Value
 
 from controlplane.catalog import Catalog, Model
@@ -42,6 +45,14 @@ MISSING_MODEL = "__missing__"
 INVALID_BODY = "__invalid__"
 
 MAX_MODELS_LIST_BYTES = 4 * 1024 * 1024
+# ORCA: the request header that asks an engine (vLLM) for a load report, and the
+# response header that carries it (stripped before the client sees it).
+ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
+ORCA_REPORT_HEADER = "endpoint-load-metrics"
+# Named ORCA metrics that count as utilization when a report has no
+# application_utilization (vLLM reports these two).
+ORCA_UTILIZATION_METRICS = ("named_metrics.kv_cache_usage_perc",)
+AFFINITY_SUFFIX = "-session"
 _ADS = core.ConfigSource(ads=core.AggregatedConfigSource(), resource_api_version=core.ApiVersion.V3)
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
@@ -56,6 +67,18 @@ def cluster_name(model_name: str) -> str:
     if safe != model_name:
         safe += "-" + hashlib.sha256(model_name.encode()).hexdigest()[:8]
     return f"model-{safe}"
+
+
+def affinity_cluster_name(model_name: str) -> str:
+    """The model's second cluster for requests with a session header (Maglev)."""
+    return cluster_name(model_name) + AFFINITY_SUFFIX
+
+
+def cluster_names(model: Model) -> tuple[str, ...]:
+    """Every cluster of a model: the load-balanced one, and the session one if any."""
+    if model.routing.session_header:
+        return (cluster_name(model.name), affinity_cluster_name(model.name))
+    return (cluster_name(model.name),)
 
 
 def _s(seconds: float) -> timedelta:
@@ -94,16 +117,49 @@ def openai_error(message: str, type_: str, code: str) -> core.SubstitutionFormat
 # --------------------------------------------------------------------------- clusters
 
 
-def build_cluster(model: Model) -> cluster.Cluster:
-    """The model's cluster. Depends on model-level settings only, never on endpoints."""
+def _orca_policy(model: Model) -> cluster.LoadBalancingPolicy:
     r = model.routing
-    name = cluster_name(model.name)
+    cfg = ClientSideWeightedRoundRobin(
+        blackout_period=_s(r.orca_blackout_s),
+        weight_expiration_period=_s(r.orca_weight_expiration_s),
+        weight_update_period=_s(r.orca_weight_update_s),
+        metric_names_for_computing_utilization=list(ORCA_UTILIZATION_METRICS),
+    )
+    return cluster.LoadBalancingPolicy(policies=[cluster.LoadBalancingPolicyPolicy(
+        typed_extension_config=core.TypedExtensionConfig(
+            name="envoy.load_balancing_policies.client_side_weighted_round_robin",
+            typed_config=Any.pack(cfg)))])
+
+
+def build_clusters(model: Model) -> list[cluster.Cluster]:
+    """Every cluster of a model, in the order of `cluster_names`."""
+    out = [build_cluster(model)]
+    if model.routing.session_header:
+        out.append(build_cluster(model, affinity=True))
+    return out
+
+
+def build_cluster(model: Model, affinity: bool = False) -> cluster.Cluster:
+    """The model's cluster. Depends on model-level settings only, never on endpoints.
+
+    `affinity`: the session cluster, Maglev over the same replicas (consistent
+    hashing moves only the sessions of a replica that leaves).
+    """
+    r = model.routing
+    name = affinity_cluster_name(model.name) if affinity else cluster_name(model.name)
+    policy: dict[str, object] = {}
+    if affinity:
+        policy["lb_policy"] = cluster.ClusterLbPolicy.MAGLEV
+    elif r.load_balancing == "orca":
+        policy["load_balancing_policy"] = _orca_policy(model)
+    else:
+        policy["lb_policy"] = cluster.ClusterLbPolicy.LEAST_REQUEST
     return cluster.Cluster(
         name=name,
         type=cluster.ClusterDiscoveryType.EDS,
         eds_cluster_config=cluster.ClusterEdsClusterConfig(eds_config=_ADS, service_name=name),
         connect_timeout=_s(r.connect_timeout_s),
-        lb_policy=cluster.ClusterLbPolicy.LEAST_REQUEST,
+        **policy,  # type: ignore[arg-type]
         # With the default 50% panic threshold a cluster whose only host is DRAINING or
         # ejected still gets traffic; at 0 Envoy answers 503 (UH) instead.
         common_lb_config=cluster.ClusterCommonLbConfig(
@@ -157,7 +213,12 @@ def build_cluster(model: Model) -> cluster.Cluster:
 def build_load_assignment(
     name: str, endpoints: Iterable[Endpoint]
 ) -> endpoint.ClusterLoadAssignment:
-    """The cluster's endpoints, sorted; draining ones go out as DRAINING."""
+    """The cluster's endpoints, sorted; draining ones go out as DRAINING.
+
+    The session cluster gets no load weights: a weight change would rebuild its
+    Maglev table and move sessions that have no reason to move.
+    """
+    weighted = not name.endswith(AFFINITY_SUFFIX)
     lb: list[endpoint.LbEndpoint] = []
     for ep in sorted(endpoints, key=lambda e: (e.host, e.port, e.replica_id)):
         lb.append(
@@ -170,7 +231,7 @@ def build_load_assignment(
                 health_status=(
                     core.HealthStatus.DRAINING if ep.draining else core.HealthStatus.UNKNOWN
                 ),
-                load_balancing_weight=ep.weight,
+                load_balancing_weight=ep.weight if weighted else None,
             )
         )
     localities = [endpoint.LocalityLbEndpoints(lb_endpoints=lb)] if lb else []
@@ -299,9 +360,10 @@ def build_listener(catalog: Catalog) -> listener.Listener:
 # --------------------------------------------------------------------------- routes
 
 
-def _model_match(value: str) -> route.RouteMatch:
+def _model_match(value: str, header: str | None = None) -> route.RouteMatch:
     return route.RouteMatch(
         prefix="/v1/",
+        headers=[route.HeaderMatcher(name=header, present_match=True)] if header else [],
         dynamic_metadata=[
             matcher.MetadataMatcher(
                 filter=METADATA_NAMESPACE,
@@ -325,6 +387,44 @@ def models_list_body(catalog: Catalog) -> str:
     return json.dumps({"object": "list", "data": data}, separators=(",", ":"))
 
 
+def _orca_headers(m: Model) -> dict[str, object]:
+    """ORCA models: ask the engine for a load report, keep it from the client."""
+    if m.routing.load_balancing != "orca":
+        return {}
+    return {
+        "request_headers_to_add": [core.HeaderValueOption(
+            header=core.HeaderValue(key=ORCA_FORMAT_HEADER, value="TEXT"),
+            append_action=core.HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD)],
+        "response_headers_to_remove": [ORCA_REPORT_HEADER],
+    }
+
+
+def _model_action(m: Model, cluster: str) -> route.RouteAction:
+    r = m.routing
+    retry_on = "connect-failure,refused-stream,reset"
+    if r.retry_on_503:
+        retry_on += ",retriable-status-codes"
+    return route.RouteAction(
+        cluster=cluster,
+        # 0 disables the whole-request timeout: a long stream is never cut.
+        timeout=_s(0),
+        idle_timeout=_s(r.stream_idle_timeout_s),
+        retry_policy=route.RetryPolicy(
+            retry_on=retry_on,
+            num_retries=r.num_retries,
+            retriable_status_codes=[503] if r.retry_on_503 else [],
+            per_try_idle_timeout=_s(r.per_try_idle_timeout_s),
+            retry_host_predicate=[
+                route.RetryPolicyRetryHostPredicate(
+                    name="envoy.retry_host_predicates.previous_hosts",
+                    typed_config=Any.pack(previous_hosts.PreviousHostsPredicate()),
+                )
+            ],
+            host_selection_retry_max_attempts=5,
+        ),
+    )
+
+
 def build_routes(catalog: Catalog) -> route.RouteConfiguration:
     routes: list[route.Route] = [
         route.Route(
@@ -342,31 +442,19 @@ def build_routes(catalog: Catalog) -> route.RouteConfiguration:
         )
     ]
     for m in sorted(catalog.models, key=lambda m: m.name):
-        r = m.routing
-        retry_on = "connect-failure,refused-stream,reset"
-        if r.retry_on_503:
-            retry_on += ",retriable-status-codes"
-        action = route.RouteAction(
-            cluster=cluster_name(m.name),
-            # 0 disables the whole-request timeout: a long stream is never cut.
-            timeout=_s(0),
-            idle_timeout=_s(r.stream_idle_timeout_s),
-            retry_policy=route.RetryPolicy(
-                retry_on=retry_on,
-                num_retries=r.num_retries,
-                retriable_status_codes=[503] if r.retry_on_503 else [],
-                per_try_idle_timeout=_s(r.per_try_idle_timeout_s),
-                retry_host_predicate=[
-                    route.RetryPolicyRetryHostPredicate(
-                        name="envoy.retry_host_predicates.previous_hosts",
-                        typed_config=Any.pack(previous_hosts.PreviousHostsPredicate()),
-                    )
-                ],
-                host_selection_retry_max_attempts=5,
-            ),
-        )
+        action = _model_action(m, cluster_name(m.name))
+        session = m.routing.session_header
         for n in m.names:
-            routes.append(route.Route(name=f"model:{n}", match=_model_match(n), route=action))
+            if session:
+                # Requests with the session header hash to one replica; the route
+                # comes first so it wins over the load-balanced one.
+                sticky = _model_action(m, affinity_cluster_name(m.name))
+                sticky.hash_policy = [route.RouteActionHashPolicy(
+                    header=route.RouteActionHashPolicyHeader(header_name=session))]
+                routes.append(route.Route(name=f"model:{n}:session",
+                                          match=_model_match(n, session), route=sticky))
+            routes.append(route.Route(name=f"model:{n}", match=_model_match(n), route=action,
+                                      **_orca_headers(m)))  # type: ignore[arg-type]
     routes += [
         route.Route(
             name="missing-model",
