@@ -57,7 +57,8 @@ class Agent:
 
 class Fleet:
     def __init__(self, tmp: Path, catalog_yaml: str, *, delta: bool = False,
-                 unreachable_after: float = 1.0, lost_after: float = 3.0) -> None:
+                 unreachable_after: float = 1.0, lost_after: float = 3.0,
+                 load_interval_s: float = 1.0) -> None:
         self.tmp = tmp
         self.catalog_path = tmp / "catalog.yaml"
         self.listener_port = free_port()
@@ -69,6 +70,7 @@ class Fleet:
         self.delta = delta
         self.unreachable_after = unreachable_after
         self.lost_after = lost_after
+        self.load_interval_s = load_interval_s
         self.cp: ControlPlane | None = None
         self.envoy: EnvoyProcess | None = None
         self.agents: dict[str, Agent] = {}
@@ -115,7 +117,7 @@ class Fleet:
             agents=(self.agents_host, self.agents_port), agent_auth=AgentAuth(token=TOKEN),
             inventory=inv, lease_s=self.lost_after, catalog_path=self.catalog_path,
             startup_grace_s=startup_grace_s, state_dir=state_dir, resync_s=0.2,
-            expected_nodes=expected_nodes)
+            expected_nodes=expected_nodes, load_interval_s=self.load_interval_s)
         await self.cp.start()
         return self.cp
 

@@ -164,13 +164,16 @@ def _parse_endpoint(
 @click.option("--startup-grace", default=15.0, show_default=True,
               help="After a start, wait this long (or until every remembered node is "
                    "back) before publishing to Envoy or placing replicas.")
+@click.option("--load-interval", default=1.0, show_default=True,
+              help="Seconds between scrapes of every replica's /metrics (load weights and "
+                   "autoscaling); 0 turns the poller off.")
 def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
                  endpoints: list[Endpoint], agents: tuple[str, int],
                  agent_token_file: str | None, no_agent_auth: bool, tls_cert: str | None,
                  tls_key: str | None, tls_client_ca: str | None, xds_tls_cert: str | None,
                  xds_tls_key: str | None, xds_tls_client_ca: str | None,
                  unreachable_after: float, lost_after: float, state_dir: str | None,
-                 startup_grace: float) -> None:
+                 startup_grace: float, load_interval: float) -> None:
     """Run the control plane: agent server, inventory, xDS server and status API."""
     from controlplane.agent_server import AgentAuth
     from controlplane.inventory import Inventory
@@ -200,7 +203,8 @@ def controlplane(catalog_path: str, xds: tuple[str, int], api: tuple[str, int],
                           lease_s=lost_after, catalog_path=Path(catalog_path),
                           xds_credentials=xds_creds,
                           startup_grace_s=startup_grace,
-                          state_dir=Path(state_dir) if state_dir else None)
+                          state_dir=Path(state_dir) if state_dir else None,
+                          load_interval_s=load_interval)
         try:
             await cp.start()
         except OSError as e:
