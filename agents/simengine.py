@@ -37,6 +37,9 @@ class Faults:
     error_rate: float = 0.0  # share of requests answered 500
     error_status: int = 500
     latency_s: float = 0.0  # added before the first token
+    # Decode this many times slower (a throttled or shared GPU): each sequence holds
+    # its batch slot longer, so the replica's capacity falls and its queue grows.
+    decode_slowdown: float = 1.0
     hang: bool = False  # accept requests, never answer (like SIGSTOP, but per request)
     unhealthy: bool = False  # /health answers 503
     crash_after: int = -1  # exit the process after this many more requests (-1 never)
@@ -179,7 +182,7 @@ class SimEngine:
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:12]
             if stream:
                 return await self._stream(req, rid, chat, max_tokens, prompt_tokens, orca)
-            await asyncio.sleep(max_tokens / self.cfg.tokens_per_s)
+            await asyncio.sleep(max_tokens * self._token_gap())
             text = " ".join(f"tok{i}" for i in range(max_tokens))
             self.metrics.gen.labels(self.cfg.model).inc(max_tokens)
             self.metrics.success.labels(self.cfg.model, "length").inc()
@@ -201,6 +204,9 @@ class SimEngine:
             self._slots.release()
 
     _RATE_TAU_S = 2.0
+
+    def _token_gap(self) -> float:
+        return max(1.0, self.faults.decode_slowdown) / self.cfg.tokens_per_s
 
     def _count_request(self, now: float) -> None:
         self._rate = self._decayed_rate(now) + 1.0 / self._RATE_TAU_S
@@ -250,7 +256,7 @@ class SimEngine:
                                            **self._headers(orca)})
         await resp.prepare(req)
         obj = "chat.completion.chunk" if chat else "text_completion"
-        gap = 1.0 / self.cfg.tokens_per_s
+        gap = self._token_gap()
         for i in range(max_tokens):
             piece = f"tok{i} "
             choice: dict[str, Any] = (

@@ -3,12 +3,15 @@
 Two simulated engines (agents/simengine.py) with realistic LLM behaviour: 100 ms to
 first token, 50 tokens/s per sequence, a batch of 8 sequences (further requests
 queue, as in vLLM's scheduler), 32 tokens per answer. One of them is slowed by fault
-injection (+0.5 s before its first token, holding its batch slot meanwhile), so it
-can carry about 6.5 requests/s against the other's 10.8. A steady open-loop load of
+injection (decode 3x slower, as on a throttled or shared GPU: its first token is as
+fast while it has a free slot, but each sequence holds its slot 3x longer), so it can
+carry about 4 requests/s against the other's 10.8. A steady open-loop load of
 streaming requests (fixed rate, so a slow backend cannot slow the offered load) runs
 through each balancer in turn, on the same two engines:
 
-  llmgw least_request   Envoy's least-request on its own in-flight counts
+  llmgw least_request (two choices)
+                        Envoy's default least-request: the better of two random picks
+  llmgw least_request   least-request over every replica (llmgw's default pick)
   llmgw orca            Envoy's client_side_weighted_round_robin on the engines' ORCA
                         load reports (endpoint-load-metrics response header)
   llmgw weighted        least-request on EDS weights from the control plane's poller
@@ -21,7 +24,13 @@ requests, and the share of requests the slowed replica served (from the engines'
 request counters, so it is the same measure for every balancer). The first seconds
 of each run are warm-up (weights to settle) and are not counted.
 
-Run:  .venv/bin/python bench/load_aware.py [--rate 12] [--seconds 25] [--warmup 8]
+Load: 13.5 requests/s, about 90% of the pair's capacity (10.8 + 4 requests/s), so
+where the requests go decides whether queues form. Each policy runs --repeat times,
+interleaved with the others (a run's p99 is noisy on a shared 2-core machine); the
+table gives medians and the range of p99 across rounds.
+
+Run:  .venv/bin/python bench/load_aware.py [--rate 13.5] [--seconds 25] [--warmup 8]
+                                           [--repeat 3] [--policies "llmgw weighted,..."]
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import statistics
 import sys
 import tempfile
 import time
@@ -53,8 +63,9 @@ from controlplane.runtime import ControlPlane  # noqa: E402
 MODEL = "m"
 ENGINE_ARGS = ["--ttft", "0.1", "--tokens-per-s", "50", "--max-concurrency", "8"]
 MAX_TOKENS = 32
-SLOW_LATENCY_S = 0.5
+SLOWDOWN = 3.0
 POLICIES = [
+    ("llmgw least_request (two choices)", "llmgw", "least_request two_choices"),
     ("llmgw least_request", "llmgw", "least_request"),
     ("llmgw orca", "llmgw", "orca"),
     ("llmgw weighted", "llmgw", "weighted"),
@@ -136,14 +147,17 @@ async def start_balancer(kind: str, policy: str, ports: list[int], work: Path) -
     try:
         if kind == "llmgw":
             port = free_port()
+            lb, _, pick = policy.partition(" ")
             cat = parse_catalog(f"listener: {{port: {port}}}\nmodels: [{{name: {MODEL}, "
-                                f"routing: {{load_balancing: {policy}}}}}]")
+                                f"routing: {{load_balancing: {lb}, "
+                                f"least_request_pick: {pick or 'full_scan'}}}}}]")
             cp = ControlPlane(cat, xds=("127.0.0.1", 0), api=None, load_interval_s=0.5,
                               weight_min_interval_s=1.0,
                               sources=[StaticSource([Endpoint(MODEL, "127.0.0.1", x)
                                                      for x in ports])])
             await cp.start()
-            env = EnvoyProcess("127.0.0.1", cp.xds_port, workdir=work, node_id=f"la-{policy}")
+            env = EnvoyProcess("127.0.0.1", cp.xds_port, workdir=work,
+                               node_id="la-" + policy.replace(" ", "-"))
             await env.start()
             await env.wait_listener()
             p.url = f"http://127.0.0.1:{port}"
@@ -174,6 +188,47 @@ async def start_balancer(kind: str, policy: str, ports: list[int], work: Path) -
     return p
 
 
+async def measure(name: str, kind: str, policy: str, ports: list[int], work: Path,
+                  s: aiohttp.ClientSession, a: argparse.Namespace) -> dict[str, Any]:
+    """One run of one balancer: warm-up, then the measured open loop."""
+    await wait_idle(ports, s)
+    bal = await start_balancer(kind, policy, ports, work)
+    if bal.unavailable:
+        return {"policy": name, "unavailable": bal.unavailable}
+    try:
+        await open_loop(bal.url, a.rate, a.warmup)
+        before = [await engine_served(x, s) for x in ports]
+        t0 = time.monotonic()
+        reqs = await open_loop(bal.url, a.rate, a.seconds)
+        wall = time.monotonic() - t0
+        after = [await engine_served(x, s) for x in ports]
+    finally:
+        await bal.stop()
+    served = [b - x for b, x in zip(after, before, strict=True)]
+    ok = [r for r in reqs if r.ok]
+    ttfts = [r.ttft * 1000 for r in ok if r.ttft is not None]
+    return {
+        "policy": name,
+        "requests": len(reqs), "failed": len(reqs) - len(ok),
+        "throughput_rps": len(ok) / wall,
+        "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
+        "e2e_p99_ms": pct([r.total * 1000 for r in ok], 0.99),
+        "slow_share": served[1] / max(1.0, sum(served)),
+    }
+
+
+def aggregate(name: str, rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians across rounds; failures and requests summed; p99's range kept."""
+    out: dict[str, Any] = {"policy": name, "rounds": len(rs)}
+    for k in ("throughput_rps", "ttft_p50_ms", "ttft_p99_ms", "e2e_p99_ms", "slow_share"):
+        out[k] = statistics.median(r[k] for r in rs)
+    out["requests"] = sum(r["requests"] for r in rs)
+    out["failed"] = sum(r["failed"] for r in rs)
+    out["ttft_p99_min_ms"] = min(r["ttft_p99_ms"] for r in rs)
+    out["ttft_p99_max_ms"] = max(r["ttft_p99_ms"] for r in rs)
+    return out
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -183,10 +238,12 @@ def pct(xs: list[float], q: float) -> float:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rate", type=float, default=12.0, help="requests per second")
+    ap.add_argument("--rate", type=float, default=13.5, help="requests per second")
     ap.add_argument("--seconds", type=float, default=25.0, help="measured seconds per policy")
     ap.add_argument("--warmup", type=float, default=8.0, help="uncounted seconds first")
     ap.add_argument("--policies", default=",".join(name for name, _, _ in POLICIES))
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="rounds over every policy (interleaved); medians are reported")
     a = ap.parse_args()
     wanted = set(a.policies.split(","))
     work = Path(tempfile.mkdtemp(prefix="llmgw-load-aware-"))
@@ -195,63 +252,47 @@ async def main() -> None:
                       "--model", MODEL, "--replica-id", rid, *ENGINE_ARGS],
                      work / f"engine-{rid}.log")
                for port, rid in zip(ports, ("fast", "slow"), strict=True)]
-    rows: list[dict[str, Any]] = []
+    runs: dict[str, list[dict[str, Any]]] = {}
+    unavailable: dict[str, str] = {}
     try:
         for port in ports:
             await wait_http(f"http://127.0.0.1:{port}", 30)
         async with aiohttp.ClientSession() as s:
             async with s.post(f"http://127.0.0.1:{ports[1]}/admin/fault",
-                              json={"latency_s": SLOW_LATENCY_S}) as r:
+                              json={"decode_slowdown": SLOWDOWN}) as r:
                 assert r.status == 200
-            for name, kind, policy in POLICIES:
-                if name not in wanted:
-                    continue
-                await wait_idle(ports, s)
-                bal = await start_balancer(kind, policy, ports, work)
-                if bal.unavailable:
-                    print(f"{name}: cannot run here: {bal.unavailable}", flush=True)
-                    rows.append({"policy": name, "unavailable": bal.unavailable})
-                    continue
-                try:
-                    await open_loop(bal.url, a.rate, a.warmup)
-                    before = [await engine_served(x, s) for x in ports]
-                    t0 = time.monotonic()
-                    reqs = await open_loop(bal.url, a.rate, a.seconds)
-                    wall = time.monotonic() - t0
-                    after = [await engine_served(x, s) for x in ports]
-                finally:
-                    await bal.stop()
-                served = [b - x for b, x in zip(after, before, strict=True)]
-                ok = [r for r in reqs if r.ok]
-                ttfts = [r.ttft * 1000 for r in ok if r.ttft is not None]
-                row = {
-                    "policy": name,
-                    "requests": len(reqs), "failed": len(reqs) - len(ok),
-                    "throughput_rps": len(ok) / wall,
-                    "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
-                    "e2e_p99_ms": pct([r.total * 1000 for r in ok], 0.99),
-                    "slow_share": served[1] / max(1.0, sum(served)),
-                }
-                rows.append(row)
-                print(f"measured {name}: TTFT p99 {row['ttft_p99_ms']:.0f} ms, slow share "
-                      f"{row['slow_share']:.2f}", flush=True)
+            for rnd in range(a.repeat):
+                for name, kind, policy in POLICIES:
+                    if name not in wanted or name in unavailable:
+                        continue
+                    row = await measure(name, kind, policy, ports, work, s, a)
+                    if "unavailable" in row:
+                        unavailable[name] = row["unavailable"]
+                        print(f"{name}: cannot run here: {row['unavailable']}", flush=True)
+                        continue
+                    runs.setdefault(name, []).append(row)
+                    print(f"round {rnd + 1}/{a.repeat}, {name}: TTFT p99 "
+                          f"{row['ttft_p99_ms']:.0f} ms, slow share {row['slow_share']:.2f}",
+                          flush=True)
     finally:
         for e in engines:
             e.terminate()
         for e in engines:
             e.wait(10)
+    done = [aggregate(name, rs) for name, rs in runs.items()]
     cols = ["policy", "requests", "failed", "throughput_rps", "ttft_p50_ms", "ttft_p99_ms",
-            "e2e_p99_ms", "slow_share"]
-    done = [r for r in rows if "unavailable" not in r]
-    print_table(f"one slowed replica (+{SLOW_LATENCY_S} s), {a.rate:g} req/s for "
-                f"{a.seconds:g} s", cols, [[r[c] for c in cols] for r in done])
-    for r in rows:
-        if "unavailable" in r:
-            print(f"{r['policy']}: not measured: {r['unavailable']}")
+            "ttft_p99_min_ms", "ttft_p99_max_ms", "e2e_p99_ms", "slow_share"]
+    print_table(f"one replica decoding {SLOWDOWN:g}x slower, {a.rate:g} req/s, {a.seconds:g} s "
+                f"per run; median of {a.repeat} rounds (p99 min/max across rounds)", cols,
+                [[r[c] for c in cols] for r in done])
+    for name, why in unavailable.items():
+        print(f"{name}: not measured: {why}")
+    rows = done + [{"policy": n, "unavailable": w} for n, w in unavailable.items()]
     out = write_json("load_aware", {
-        "rate_rps": a.rate, "seconds": a.seconds, "warmup_s": a.warmup,
+        "rate_rps": a.rate, "seconds": a.seconds, "warmup_s": a.warmup, "rounds": a.repeat,
+        "runs": runs,
         "engine_args": ENGINE_ARGS, "max_tokens": MAX_TOKENS,
-        "slow_latency_s": SLOW_LATENCY_S, "results": rows})
+        "slow_decode_slowdown": SLOWDOWN, "results": rows})
     png = png_path("load_aware")
     plot(done, png)
     print(f"wrote {out} and {png}")
@@ -267,8 +308,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
     x = range(len(rows))
     axes[0].bar([i - 0.2 for i in x], [r["ttft_p50_ms"] for r in rows], 0.4, label="p50")
-    axes[0].bar([i + 0.2 for i in x], [r["ttft_p99_ms"] for r in rows], 0.4, label="p99")
-    axes[0].set_title("time to first token (ms)")
+    axes[0].bar([i + 0.2 for i in x], [r["ttft_p99_ms"] for r in rows], 0.4, label="p99",
+                yerr=[[r["ttft_p99_ms"] - r["ttft_p99_min_ms"] for r in rows],
+                      [r["ttft_p99_max_ms"] - r["ttft_p99_ms"] for r in rows]], capsize=3)
+    axes[0].set_yscale("log")
+    axes[0].set_title("time to first token (ms, log; p99 bar: median, min-max of rounds)")
     axes[0].legend()
     axes[1].bar(list(x), [r["slow_share"] for r in rows], 0.6, color="tab:red")
     axes[1].axhline(0.5, color="grey", linestyle="--", linewidth=1)

@@ -61,6 +61,15 @@ class Routing(_Frozen):
     #  orca           client_side_weighted_round_robin on ORCA load reports the
     #                 engine returns in the endpoint-load-metrics response header.
     load_balancing: Literal["least_request", "weighted", "orca"] = "weighted"
+    # How least-request picks among equally weighted replicas: full_scan takes the
+    # replica with the fewest requests in flight (ties at random); two_choices is
+    # Envoy's default (the better of two random picks), which with two replicas sends
+    # the busier one a quarter of the traffic whatever its load. A model has few
+    # replicas, so the scan is cheap.
+    least_request_pick: Literal["full_scan", "two_choices"] = "full_scan"
+    # With unequal weights Envoy schedules by weight / (in flight + 1) ** bias; a
+    # higher bias keeps in-flight counts level while weights still tilt the share.
+    active_request_bias: float = Field(2.0, ge=0, le=10)
     # ORCA (load_balancing: orca): a replica must report this long before its weight
     # is used, reports older than the expiry are dropped, weights recomputed this often.
     orca_blackout_s: float = Field(1.0, ge=0)

@@ -2,8 +2,9 @@
 
 Owns the mapping from each engine's metric names (vLLM, SGLang, llama.cpp server and
 the simulated engine, which uses vLLM's) to one value: requests running, requests
-waiting, KV-cache usage (0..1), and the time-to-first-token histogram's running sum
-and count (for a recent mean between two scrapes). Pure: text in, value out.
+waiting, KV-cache usage (0..1), the time-to-first-token histogram's running sum and
+count, and the generated-token counter (recent means and rates come from two
+scrapes). Pure: text in, value out.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs", "llamacpp:reque
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage",
             "llamacpp:kv_cache_usage_ratio")
 TTFT = ("vllm:time_to_first_token_seconds", "sglang:time_to_first_token_seconds")
+GENERATED = ("vllm:generation_tokens_total", "sglang:generation_tokens_total",
+             "llamacpp:tokens_predicted_total")
 
 
 class MetricsFormatError(ValueError):
@@ -33,6 +36,7 @@ class EngineLoad:
     kv_usage: float
     ttft_sum: float = 0.0
     ttft_count: float = 0.0
+    generated_tokens: float | None = None
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
@@ -62,4 +66,5 @@ def parse_engine_metrics(text: str) -> EngineLoad:
         kv_usage=min(1.0, max(0.0, first(KV_USAGE) or 0.0)),
         ttft_sum=first(TTFT, "_sum") or 0.0,
         ttft_count=first(TTFT, "_count") or 0.0,
+        generated_tokens=first(GENERATED),
     )

@@ -3,8 +3,8 @@
 Owns the scrape loop and the per-replica view. Every `interval_s` it fetches
 /metrics from every endpoint the publisher serves (not draining ones) at once, each
 with a timeout, and replaces the view with a new immutable mapping: address ->
-ReplicaLoad (running, waiting, KV usage, mean TTFT since the last scrape, or the
-error). Nothing here is in the request path; listeners (load weights, autoscaler)
+ReplicaLoad (running, waiting, KV usage, mean TTFT and decode rate since the last
+scrape, or the error). Nothing here is in the request path; listeners (load weights, autoscaler)
 get each new view as a value.
 """
 
@@ -40,6 +40,10 @@ class ReplicaLoad:
     # Mean time to first token of the requests finished since the previous scrape;
     # None when none finished (or the engine has no such histogram).
     ttft_s: float | None = None
+    # Tokens generated per second per running sequence since the previous scrape:
+    # how fast this replica decodes (a throttled GPU shows here first); None when
+    # nothing ran or the engine has no token counter.
+    decode_tps: float | None = None
     raw: EngineLoad | None = None
 
 
@@ -55,6 +59,19 @@ def _recent_ttft(now: EngineLoad, before: ReplicaLoad | None) -> float | None:
     if n <= 0:
         return None
     return (now.ttft_sum - prev.ttft_sum) / n
+
+
+def _decode_rate(now: EngineLoad, at: float, before: ReplicaLoad | None) -> float | None:
+    prev = before.raw if before is not None else None
+    if prev is None or before is None or now.generated_tokens is None:
+        return None
+    if prev.generated_tokens is None or at <= before.at:
+        return None
+    running = (now.running + prev.running) / 2
+    tokens = now.generated_tokens - prev.generated_tokens
+    if running <= 0 or tokens <= 0:
+        return None
+    return tokens / (at - before.at) / running
 
 
 class LoadPoller:
@@ -115,4 +132,5 @@ class LoadPoller:
                 log.warning("cannot read load of %s replica %s: %s", e.model, e.address, why)
             return ReplicaLoad(e.model, e.address, now, ok=False, error=why)
         return ReplicaLoad(e.model, e.address, now, running=load.running, waiting=load.waiting,
-                           kv_usage=load.kv_usage, ttft_s=_recent_ttft(load, before), raw=load)
+                           kv_usage=load.kv_usage, ttft_s=_recent_ttft(load, before),
+                           decode_tps=_decode_rate(load, now, before), raw=load)

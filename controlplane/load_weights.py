@@ -3,14 +3,17 @@
 Owns the weight function and the hysteresis that decides when a model's weights
 are worth an update. The function (documented in the README):
 
-    weight = 100 * queue * kv * speed, clamped to [5, 100]
-      queue = 1 / (1 + waiting)                  each queued request halves, thirds, ...
+    weight = 100 * speed * queue * kv, clamped to [5, 100]
+      speed = decode_tps / fastest decode_tps    tokens/s per running sequence, against
+                                                 the model's fastest replica
+      queue = 1 / (1 + waiting / max(1, running))  queue measured in batches
       kv    = 1 if kv_usage <= 0.8 else max(0.1, (1 - kv_usage) / 0.2)
-      speed = min(1, best_ttft / ttft)           this replica's recent time to first
-                                                 token against the model's fastest
 
-so a saturated, queueing or slow replica gets less new traffic, and no replica is ever
-cut off (5 of 100 at worst: health checks and outlier detection decide that). The
+so a slow, queueing or saturated replica gets less new traffic, and no replica is ever
+cut off (5 of 100 at worst: health checks and outlier detection decide that). Speed is
+a capacity estimate that changes slowly; the queue and KV terms react to pressure.
+Envoy's least-request (in-flight counts, bias 2) keeps short-term balance on top, so
+the weights only have to carry what Envoy cannot see: how fast each replica works. The
 inputs are smoothed (EWMA) and a model's weights are pushed only when one of them
 moves by more than `band` (relative) and at most every `min_interval_s`, so a noisy
 metric does not push every second. Weights are sent as endpoint-only updates;
@@ -32,20 +35,21 @@ W_MAX = 100
 W_MIN = 5
 
 
-def replica_weight(load: ReplicaLoad, best_ttft: float | None) -> float:
+def replica_weight(load: ReplicaLoad, decode_tps: float | None,
+                   fastest_tps: float | None) -> float:
     """The unrounded weight of one replica (see the module docstring)."""
-    queue = 1.0 / (1.0 + max(0.0, load.waiting))
+    queue = 1.0 / (1.0 + max(0.0, load.waiting) / max(1.0, load.running))
     kv = 1.0 if load.kv_usage <= 0.8 else max(0.1, (1.0 - load.kv_usage) / 0.2)
     speed = 1.0
-    if best_ttft is not None and load.ttft_s is not None and load.ttft_s > 0:
-        speed = max(0.1, min(1.0, best_ttft / load.ttft_s))
-    return min(float(W_MAX), max(float(W_MIN), W_MAX * queue * kv * speed))
+    if decode_tps is not None and fastest_tps:
+        speed = max(0.0, min(1.0, decode_tps / fastest_tps))
+    return min(float(W_MAX), max(float(W_MIN), W_MAX * speed * queue * kv))
 
 
 @dataclass
 class _ModelState:
     smooth: dict[str, float] = field(default_factory=dict)
-    ttft: dict[str, float] = field(default_factory=dict)
+    tps: dict[str, float] = field(default_factory=dict)
     published: dict[str, int] = field(default_factory=dict)
     pushed_at: float = float("-inf")
 
@@ -91,19 +95,18 @@ class LoadWeights:
         live = {r.address for r in loads}
         for gone in set(st.smooth) - live:
             st.smooth.pop(gone)
-            st.ttft.pop(gone, None)
+            st.tps.pop(gone, None)
         for r in loads:
-            # A replica that finished nothing since the last scrape keeps its last TTFT.
-            if r.ttft_s is not None:
-                st.ttft[r.address] = r.ttft_s
-        best = min(st.ttft.values(), default=None)
+            # A replica that decoded nothing since the last scrape keeps its last rate.
+            if r.decode_tps is not None:
+                old_tps = st.tps.get(r.address)
+                st.tps[r.address] = (r.decode_tps if old_tps is None
+                                     else old_tps + self.alpha * (r.decode_tps - old_tps))
+        fastest = max(st.tps.values(), default=None)
         for r in loads:
             if not r.ok:
                 continue  # no news: its smoothed weight stays
-            ttft = st.ttft.get(r.address)
-            w = replica_weight(ReplicaLoad(r.model, r.address, r.at, running=r.running,
-                                           waiting=r.waiting, kv_usage=r.kv_usage,
-                                           ttft_s=ttft), best)
+            w = replica_weight(r, st.tps.get(r.address), fastest)
             old = st.smooth.get(r.address)
             st.smooth[r.address] = w if old is None else old + self.alpha * (w - old)
         target = {a: max(W_MIN, min(W_MAX, round(w))) for a, w in st.smooth.items()}

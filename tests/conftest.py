@@ -103,7 +103,8 @@ def engines() -> Iterator[list[EngineProc]]:
 def _reset_faults(request: pytest.FixtureRequest) -> None:
     if "engines" in request.fixturenames:
         for e in request.getfixturevalue("engines"):
-            e.fault(error_rate=0.0, latency_s=0.0, hang=False, unhealthy=False, crash_after=-1)
+            e.fault(error_rate=0.0, latency_s=0.0, hang=False, unhealthy=False, crash_after=-1,
+                    decode_slowdown=1.0)
 
 
 @pytest.fixture(params=["sotw", "delta"])

@@ -61,22 +61,27 @@ def test_engine_metrics_of_each_engine() -> None:
         parse_engine_metrics("this is { not prometheus")
 
 
-def load(addr: str = "a", *, waiting: float = 0, kv: float = 0.1, ttft: float | None = None,
+def load(addr: str = "a", *, waiting: float = 0, kv: float = 0.1, tps: float | None = None,
          running: float = 1, ok: bool = True) -> ReplicaLoad:
     return ReplicaLoad("m", addr, 0.0, ok=ok, running=running, waiting=waiting, kv_usage=kv,
-                       ttft_s=ttft)
+                       decode_tps=tps)
 
 
 def test_weight_is_bounded_and_falls_with_queue_kv_and_slowness() -> None:
-    idle = replica_weight(load(), None)
+    def w(x: ReplicaLoad, fastest: float | None = None) -> float:
+        return replica_weight(x, x.decode_tps, fastest)
+
+    idle = w(load())
     assert idle == W_MAX
-    assert replica_weight(load(waiting=1), None) < idle
-    assert replica_weight(load(waiting=3), None) < replica_weight(load(waiting=1), None)
-    assert replica_weight(load(kv=0.95), None) < replica_weight(load(kv=0.8), None) == W_MAX
-    assert replica_weight(load(ttft=0.4), best_ttft=0.1) < replica_weight(load(ttft=0.1), 0.1)
-    for w in (replica_weight(load(waiting=1e6, kv=1.0, ttft=100), 0.001),
-              replica_weight(load(waiting=0, kv=0.0, ttft=0.001), 100)):
-        assert W_MIN <= w <= W_MAX
+    assert w(load(waiting=1)) < idle
+    assert w(load(waiting=3)) < w(load(waiting=1))
+    # The queue counts in batches: 4 waiting behind 8 running is less than behind 1.
+    assert w(load(waiting=4, running=8)) > w(load(waiting=4, running=1))
+    assert w(load(kv=0.95)) < w(load(kv=0.8)) == W_MAX
+    assert w(load(tps=50), 50) == W_MAX
+    assert w(load(tps=20), 50) == pytest.approx(40)
+    for x in (w(load(waiting=1e6, kv=1.0, tps=0.001), 100), w(load(tps=1e6), 1e6)):
+        assert W_MIN <= x <= W_MAX
 
 
 class Clock:
@@ -122,6 +127,17 @@ def test_weights_have_hysteresis_and_a_minimum_interval() -> None:
     lw._enabled = lambda _m: lw2_enabled
     lw({"a": load("a"), "b": load("b", waiting=3)})
     assert pushed[-1] == ("m", {}) and lw.published() == {}
+
+
+def test_weights_follow_decode_speed_and_remember_it() -> None:
+    pushed: list[dict[str, int]] = []
+    lw = LoadWeights(lambda _m, w: pushed.append(dict(w)), min_interval_s=0, alpha=1.0,
+                     clock=Clock())
+    lw({"a": load("a", tps=50), "b": load("b", tps=10)})
+    assert pushed == [{"a": 100, "b": 20}]
+    # Nothing decoded since the last scrape (no rate): the last rate stands.
+    lw({"a": load("a", tps=50), "b": load("b")})
+    assert len(pushed) == 1 and lw.published() == {"m": {"a": 100, "b": 20}}
 
 
 def test_autoscaler_steps_up_on_sustained_queue_and_down_when_idle() -> None:

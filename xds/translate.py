@@ -30,6 +30,10 @@ import envoy_data_plane.envoy.type.v3 as type_v3
 from envoy_data_plane.envoy.extensions.load_balancing_policies.client_side_weighted_round_robin.v3 import (  # noqa: E501
     ClientSideWeightedRoundRobin,
 )
+from envoy_data_plane.envoy.extensions.load_balancing_policies.least_request.v3 import (
+    LeastRequest,
+    LeastRequestSelectionMethod,
+)
 from envoy_data_plane.google.protobuf import Any, ListValue, Struct, Value
 
 from controlplane.catalog import Catalog, Model
@@ -117,6 +121,22 @@ def openai_error(message: str, type_: str, code: str) -> core.SubstitutionFormat
 # --------------------------------------------------------------------------- clusters
 
 
+def _policy(name: str, cfg: object) -> cluster.LoadBalancingPolicy:
+    return cluster.LoadBalancingPolicy(policies=[cluster.LoadBalancingPolicyPolicy(
+        typed_extension_config=core.TypedExtensionConfig(
+            name=name, typed_config=Any.pack(cfg)))])  # type: ignore[arg-type]
+
+
+def _least_request_policy(model: Model) -> cluster.LoadBalancingPolicy:
+    method = (LeastRequestSelectionMethod.FULL_SCAN
+              if model.routing.least_request_pick == "full_scan"
+              else LeastRequestSelectionMethod.N_CHOICES)
+    bias = core.RuntimeDouble(default_value=model.routing.active_request_bias,
+                              runtime_key="llmgw.active_request_bias")
+    return _policy("envoy.load_balancing_policies.least_request",
+                   LeastRequest(selection_method=method, active_request_bias=bias))
+
+
 def _orca_policy(model: Model) -> cluster.LoadBalancingPolicy:
     r = model.routing
     cfg = ClientSideWeightedRoundRobin(
@@ -125,10 +145,7 @@ def _orca_policy(model: Model) -> cluster.LoadBalancingPolicy:
         weight_update_period=_s(r.orca_weight_update_s),
         metric_names_for_computing_utilization=list(ORCA_UTILIZATION_METRICS),
     )
-    return cluster.LoadBalancingPolicy(policies=[cluster.LoadBalancingPolicyPolicy(
-        typed_extension_config=core.TypedExtensionConfig(
-            name="envoy.load_balancing_policies.client_side_weighted_round_robin",
-            typed_config=Any.pack(cfg)))])
+    return _policy("envoy.load_balancing_policies.client_side_weighted_round_robin", cfg)
 
 
 def build_clusters(model: Model) -> list[cluster.Cluster]:
@@ -153,7 +170,7 @@ def build_cluster(model: Model, affinity: bool = False) -> cluster.Cluster:
     elif r.load_balancing == "orca":
         policy["load_balancing_policy"] = _orca_policy(model)
     else:
-        policy["lb_policy"] = cluster.ClusterLbPolicy.LEAST_REQUEST
+        policy["load_balancing_policy"] = _least_request_policy(model)
     return cluster.Cluster(
         name=name,
         type=cluster.ClusterDiscoveryType.EDS,
