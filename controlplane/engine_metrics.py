@@ -39,11 +39,21 @@ class EngineLoad:
     generated_tokens: float | None = None
 
 
+_WANTED = tuple(sorted({*RUNNING, *WAITING, *KV_USAGE, *TTFT, *GENERATED}))
+
+
+def _relevant_lines(text: str) -> str:
+    """Only the samples we read. A vLLM page is mostly histograms we do not need, and
+    parsing all of it for every replica every second would be most of the poller's
+    CPU; a sample line starts with its metric name, so a prefix test selects ours."""
+    return "\n".join(line for line in text.splitlines() if line.startswith(_WANTED)) + "\n"
+
+
 def parse_engine_metrics(text: str) -> EngineLoad:
     """Load figures from a /metrics page; raise MetricsFormatError if there are none."""
     values: dict[str, float] = {}
     try:
-        for fam in text_string_to_metric_families(text):
+        for fam in text_string_to_metric_families(_relevant_lines(text)):
             for s in fam.samples:
                 # Histograms come as <name>_sum / <name>_count samples; counters may
                 # carry a _total suffix. Both are kept under the sample's own name.

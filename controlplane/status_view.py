@@ -1,14 +1,15 @@
 """Rendering the status document for a terminal (`llmgw status`).
 
 Owns presentation only: models with their published endpoints, nodes with GPUs and
-replicas by state, the reconciler's recent decisions, and each Envoy with its last ACK
-and NACK (Envoy's error text included).
+replicas by state, replica load and weights, the reconciler's and autoscaler's recent
+decisions, and each Envoy with its last ACK and NACK (Envoy's error text included).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -176,19 +177,21 @@ def status_renderables(doc: dict[str, Any], envoy_admin: str | None = None) -> l
     if cat and cat.get("last_error"):
         console.print(f"[red]last catalog edit refused[/] (last good catalog in force):\n"
                       f"{cat['last_error']}")
-    scaling = doc.get("autoscaler", [])
-    if scaling:
-        console.print("autoscaler:")
-        for d in scaling[-10:]:
-            console.print(f"  {_ago(d['at'])}: {d['model']} {d['from_replicas']} -> "
-                          f"{d['to_replicas']} replicas: {d['reason']}")
-    decisions = doc.get("decisions", [])
-    if decisions:
-        console.print("recent decisions:")
-        for d in decisions[-10:]:
-            console.print(f"  {_ago(d['at'])}: {d['action']} {d['replica_id']} on {d['node']}: "
-                          f"{d['reason']}")
+    _recent(console, "autoscaler:", doc.get("autoscaler", []),
+            lambda d: f"{d['model']} {d['from_replicas']} -> {d['to_replicas']} replicas")
+    _recent(console, "recent decisions:", doc.get("decisions", []),
+            lambda d: f"{d['action']} {d['replica_id']} on {d['node']}")
     return [Group(*out)]
+
+
+def _recent(console: _Collector, title: str, items: list[dict[str, Any]],
+            what: Callable[[dict[str, Any]], str]) -> None:
+    """The last ten decisions of a kind: when, what, and why."""
+    if not items:
+        return
+    console.print(title)
+    for d in items[-10:]:
+        console.print(f"  {_ago(d['at'])}: {what(d)}: {d['reason']}")
 
 
 class _Collector:

@@ -53,6 +53,10 @@ def test_engine_metrics_of_each_engine() -> None:
     assert (s.running, s.waiting, s.kv_usage) == (5, 1, 0.25)
     lc = parse_engine_metrics(LLAMACPP)
     assert (lc.running, lc.waiting, lc.kv_usage) == (1, 4, 0.0)
+    # Everything else on the page is skipped without changing the result.
+    noise = "".join(f"# TYPE vllm:other_{i} histogram\nvllm:other_{i}_bucket{{le=\"1\"}} 5\n"
+                    f"vllm:other_{i}_sum 9\nvllm:other_{i}_count 5\n" for i in range(50))
+    assert parse_engine_metrics(noise + VLLM + noise) == v
     old = parse_engine_metrics(VLLM.replace("kv_cache_usage_perc", "gpu_cache_usage_perc"))
     assert old.kv_usage == 0.5
     with pytest.raises(MetricsFormatError, match="no running/waiting"):

@@ -45,9 +45,10 @@ async def test_poller_weights_are_eds_only_and_keep_host_state(
     cds = await gw.envoy.stat("cluster_manager.cds.update_success")
     modified = await gw.envoy.stat("cluster_manager.cluster_modified")
     pushes = dict(gw.cp.ads.stats().pushes)
-    slow.fault(latency_s=0.3)
+    # Decoding 4x slower: each request holds the slow replica 4x longer.
+    slow.fault(decode_slowdown=4.0)
 
-    async with Load(gw.url, ["m"], workers=6, max_tokens=2, stream_every=0) as load:
+    async with Load(gw.url, ["m"], workers=6, max_tokens=20, stream_every=0) as load:
         async def slow_weighted_down() -> bool:
             w = await weights(gw, M)
             return w.get(slow.port, 1) < w.get(fast.port, 1)
