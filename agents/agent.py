@@ -39,6 +39,8 @@ log = logging.getLogger("llmgw.agent")
 
 METHOD = "/llmgw.agent.v1.AgentService/Connect"
 VERSION = "0.1.0"
+# A registration not answered by a lease within this long is retried.
+REGISTER_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -144,6 +146,8 @@ class Agent:
             try:
                 await self._session()
                 why = "stream ended"
+            except TimeoutError:
+                why = f"no lease from the control plane within {REGISTER_TIMEOUT_S:g}s"
             except grpc.aio.AioRpcError as e:
                 why = f"{e.code().name}: {e.details()}"
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED,
@@ -171,15 +175,42 @@ class Agent:
             # Register carries the full picture; queued updates are now stale.
             while not self._updates.empty():
                 self._updates.get_nowait()
-            await stream.write(AgentMessage(register=self._register()))
-            sender = asyncio.create_task(self._send_loop(stream))
+            # The session races the call's end: a call the server ends early (a
+            # refused token) could leave a pending write or read waiting forever
+            # (seen: an agent with a wrong token hung silently after a refusal).
+            body = asyncio.create_task(self._converse(stream))
+            ended = asyncio.create_task(stream.code())
             try:
-                async for msg in stream:
-                    await self._on_command(msg)
+                await asyncio.wait({body, ended}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                sender.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
-                    await sender
+                for t in (body, ended):
+                    if not t.done():
+                        t.cancel()
+                        with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                            await t
+            if body.done() and not body.cancelled():
+                body.result()  # raises the call's error, if any
+                return
+            code = ended.result()
+            if code != grpc.StatusCode.OK:
+                raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           details=await stream.details())
+
+    async def _converse(self, stream: grpc.aio.StreamStreamCall) -> None:
+        # Registration is answered by a lease. Without one in time the session is
+        # given up and retried: a wait on a call that will never answer is a hang.
+        async with asyncio.timeout(REGISTER_TIMEOUT_S):
+            await stream.write(AgentMessage(register=self._register()))
+            msg = await stream.read()
+        sender = asyncio.create_task(self._send_loop(stream))
+        try:
+            while msg is not grpc.aio.EOF:
+                await self._on_command(msg)
+                msg = await stream.read()
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await sender
 
     def _register(self) -> Register:
         return Register(

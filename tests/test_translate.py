@@ -6,8 +6,12 @@ import pytest
 from envoy_data_plane.envoy.config.cluster.v3 import Cluster, ClusterLbPolicy
 from envoy_data_plane.envoy.config.core.v3 import HealthStatus
 from envoy_data_plane.envoy.config.endpoint.v3 import ClusterLoadAssignment
+from envoy_data_plane.envoy.extensions.load_balancing_policies.least_request.v3 import (
+    LeastRequest,
+    LeastRequestSelectionMethod,
+)
 
-from controlplane.catalog import CatalogError, parse_catalog
+from controlplane.catalog import Catalog, CatalogError, Model, Routing, parse_catalog
 from controlplane.endpoints import Endpoint
 from xds.snapshot import (
     CLUSTER,
@@ -18,7 +22,14 @@ from xds.snapshot import (
     build_snapshot,
     make_snapshot,
 )
-from xds.translate import build_cluster, cluster_name
+from xds.translate import (
+    affinity_cluster_name,
+    build_cluster,
+    build_clusters,
+    build_load_assignment,
+    build_routes,
+    cluster_name,
+)
 
 CAT = """
 models:
@@ -68,10 +79,46 @@ def test_translation_is_deterministic_and_cluster_ignores_endpoints() -> None:
     assert statuses == [HealthStatus.UNKNOWN, HealthStatus.DRAINING]
 
 
+def test_orca_and_session_clusters() -> None:
+    m = Model(name="m", routing=Routing(load_balancing="orca", session_header="x-session-id"))
+    main, session = (Cluster.parse(bytes(c)) for c in build_clusters(m))
+    assert main.load_balancing_policy is not None
+    ext = main.load_balancing_policy.policies[0].typed_extension_config
+    assert ext is not None and ext.name.endswith("client_side_weighted_round_robin")
+    assert session.name == affinity_cluster_name("m")
+    assert session.lb_policy == ClusterLbPolicy.MAGLEV
+    rc = build_routes(Catalog(models=(m,)))
+    routes = {r.name: r for r in rc.virtual_hosts[0].routes}
+    sticky, plain = routes["model:m:session"], routes["model:m"]
+    assert sticky.route is not None and sticky.route.cluster == session.name
+    assert sticky.route.hash_policy[0].header is not None
+    assert sticky.route.hash_policy[0].header.header_name == "x-session-id"
+    assert [r.name for r in rc.virtual_hosts[0].routes].index("model:m:session") < \
+        [r.name for r in rc.virtual_hosts[0].routes].index("model:m")
+    # ORCA: the engine is asked for its report, the client never sees it.
+    assert plain.request_headers_to_add[0].header is not None
+    assert plain.request_headers_to_add[0].header.key == "endpoint-load-metrics-format"
+    assert plain.response_headers_to_remove == ["endpoint-load-metrics"]
+    # The session cluster's assignment carries no load weights.
+    eps = [Endpoint("m", "127.0.0.1", 1, weight=7)]
+    assert build_load_assignment(session.name, eps).endpoints[0].lb_endpoints[0] \
+        .load_balancing_weight is None
+    assert build_load_assignment(main.name, eps).endpoints[0].lb_endpoints[0] \
+        .load_balancing_weight == 7
+
+
 def test_cluster_settings() -> None:
     cat = parse_catalog(CAT)
     c = Cluster.parse(bytes(build_cluster(cat.models[0])))
-    assert c.lb_policy == ClusterLbPolicy.LEAST_REQUEST
+    # Least-request over every replica, through the typed policy (the enum cannot
+    # say "full scan").
+    assert c.load_balancing_policy is not None
+    ext = c.load_balancing_policy.policies[0].typed_extension_config
+    assert ext is not None and ext.name == "envoy.load_balancing_policies.least_request"
+    assert ext.typed_config is not None
+    lr = LeastRequest.parse(ext.typed_config.value)
+    assert lr.selection_method == LeastRequestSelectionMethod.FULL_SCAN
+    assert lr.active_request_bias is not None and lr.active_request_bias.default_value == 2.0
     assert c.outlier_detection is not None and c.outlier_detection.consecutive_5xx == 3
     assert c.health_checks[0].http_health_check is not None
     assert c.health_checks[0].http_health_check.path == "/health"
