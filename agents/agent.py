@@ -175,30 +175,12 @@ class Agent:
             # Register carries the full picture; queued updates are now stale.
             while not self._updates.empty():
                 self._updates.get_nowait()
-            # The session races the call's end: a call the server ends early (a
-            # refused token) could leave a pending write or read waiting forever
-            # (seen: an agent with a wrong token hung silently after a refusal).
-            body = asyncio.create_task(self._converse(stream))
-            ended = asyncio.create_task(stream.code())
-            try:
-                await asyncio.wait({body, ended}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for t in (body, ended):
-                    if not t.done():
-                        t.cancel()
-                        with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
-                            await t
-            if body.done() and not body.cancelled():
-                body.result()  # raises the call's error, if any
-                return
-            code = ended.result()
-            if code != grpc.StatusCode.OK:
-                raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                           details=await stream.details())
+            await self._converse(stream)
 
     async def _converse(self, stream: grpc.aio.StreamStreamCall) -> None:
         # Registration is answered by a lease. Without one in time the session is
-        # given up and retried: a wait on a call that will never answer is a hang.
+        # given up and retried: a call the server ended early (a refused token) was
+        # seen to leave the first write or read waiting forever, the agent silent.
         async with asyncio.timeout(REGISTER_TIMEOUT_S):
             await stream.write(AgentMessage(register=self._register()))
             msg = await stream.read()
