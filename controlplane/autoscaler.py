@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from controlplane.catalog import Catalog, Model
-from controlplane.load_poller import LoadView, ReplicaLoad
+from controlplane.load_poller import LoadView, ReplicaLoad, by_model
 
 log = logging.getLogger("llmgw.autoscaler")
 
@@ -52,17 +52,14 @@ class Autoscaler:
         self.decisions: deque[ScaleDecision] = deque(maxlen=keep)
 
     def __call__(self, view: LoadView) -> None:
-        by_model: dict[str, list[ReplicaLoad]] = {}
-        for r in view.values():
-            if r.ok:
-                by_model.setdefault(r.model, []).append(r)
+        serving = by_model(view, ok_only=True)
         targets = self._targets()
         for m in self._catalog().models:
             if m.autoscale is None:
                 self._timers.pop(m.name, None)
                 continue
             target = targets.get(m.name, m.min_replicas)
-            self.observe(m, target, by_model.get(m.name, []))
+            self.observe(m, target, serving.get(m.name, []))
 
     def observe(self, m: Model, target: int, loads: list[ReplicaLoad]) -> ScaleDecision | None:
         cfg = m.autoscale

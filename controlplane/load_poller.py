@@ -4,8 +4,8 @@ Owns the scrape loop and the per-replica view. Every `interval_s` it fetches
 /metrics from every endpoint the publisher serves (not draining ones) at once, each
 with a timeout, and replaces the view with a new immutable mapping: address ->
 ReplicaLoad (running, waiting, KV usage, mean TTFT and decode rate since the last
-scrape, or the error). Nothing here is in the request path; listeners (load weights, autoscaler)
-get each new view as a value.
+scrape, or the error). Nothing here is in the request path; listeners (load weights,
+autoscaler) get each new view as a value.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ LoadView = Mapping[str, ReplicaLoad]
 Listener = Callable[[LoadView], None]
 
 
+def by_model(view: LoadView, ok_only: bool = False) -> dict[str, list[ReplicaLoad]]:
+    """The view's loads grouped by model (failed scrapes left out with `ok_only`)."""
+    out: dict[str, list[ReplicaLoad]] = {}
+    for r in view.values():
+        if r.ok or not ok_only:
+            out.setdefault(r.model, []).append(r)
+    return out
+
+
 def _recent_ttft(now: EngineLoad, before: ReplicaLoad | None) -> float | None:
     prev = before.raw if before is not None else None
     if prev is None:
@@ -62,10 +71,10 @@ def _recent_ttft(now: EngineLoad, before: ReplicaLoad | None) -> float | None:
 
 
 def _decode_rate(now: EngineLoad, at: float, before: ReplicaLoad | None) -> float | None:
-    prev = before.raw if before is not None else None
-    if prev is None or before is None or now.generated_tokens is None:
+    if before is None or before.raw is None or at <= before.at:
         return None
-    if prev.generated_tokens is None or at <= before.at:
+    prev = before.raw
+    if now.generated_tokens is None or prev.generated_tokens is None:
         return None
     running = (now.running + prev.running) / 2
     tokens = now.generated_tokens - prev.generated_tokens
@@ -86,8 +95,6 @@ class LoadPoller:
         self.clock = clock
         self._view: LoadView = MappingProxyType({})
         self._listeners: list[Listener] = []
-        self.scrapes = 0
-        self.failures = 0
 
     @property
     def view(self) -> LoadView:
@@ -117,7 +124,6 @@ class LoadPoller:
         return self._view
 
     async def _scrape(self, session: aiohttp.ClientSession, e: Endpoint) -> ReplicaLoad:
-        self.scrapes += 1
         now = self.clock()
         before = self._view.get(e.address)
         try:
@@ -126,7 +132,6 @@ class LoadPoller:
                     raise MetricsFormatError(f"HTTP {resp.status}")
                 load = parse_engine_metrics(await resp.text())
         except (TimeoutError, aiohttp.ClientError, MetricsFormatError) as err:
-            self.failures += 1
             why = str(err) or type(err).__name__
             if before is None or before.ok:
                 log.warning("cannot read load of %s replica %s: %s", e.model, e.address, why)

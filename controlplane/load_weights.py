@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from controlplane.load_poller import LoadView, ReplicaLoad
+from controlplane.load_poller import LoadView, ReplicaLoad, by_model
 
 log = logging.getLogger("llmgw.weights")
 
@@ -68,18 +68,16 @@ class LoadWeights:
         self._enabled = enabled
         self.clock = clock
         self._models: dict[str, _ModelState] = {}
-        self.pushes = 0
 
     def published(self) -> dict[str, dict[str, int]]:
         return {m: dict(s.published) for m, s in self._models.items() if s.published}
 
     def __call__(self, view: LoadView) -> None:
-        by_model: dict[str, list[ReplicaLoad]] = {}
-        for r in view.values():
-            by_model.setdefault(r.model, []).append(r)
-        for model in set(self._models) - set(by_model):
+        # Failed scrapes stay in: such a replica keeps its smoothed weight.
+        grouped = by_model(view)
+        for model in set(self._models) - set(grouped):
             self._drop(model)
-        for model, loads in by_model.items():
+        for model, loads in grouped.items():
             if not self._enabled(model):
                 self._drop(model)
                 continue
@@ -118,7 +116,6 @@ class LoadWeights:
         if now - st.pushed_at < self.min_interval_s:
             return
         st.published, st.pushed_at = target, now
-        self.pushes += 1
         log.info("load weights of %s: %s", model,
                  ", ".join(f"{a}={w}" for a, w in sorted(target.items())) or "equal")
         self._publish(model, target)

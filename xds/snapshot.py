@@ -202,13 +202,12 @@ def build_snapshot(catalog: Catalog, endpoints: Iterable[Endpoint],
                 and translate.cluster_names(old) == names
                 and all(n in prev.of_type(CLUSTER) for n in names)):
             # Clusters depend on routing settings only; the endpoints are the same.
-            same = old.routing == m.routing
-            for c in ([] if same else translate.build_clusters(m)):
-                clusters[c.name] = Resource.of(CLUSTER, c.name, c)
-            for n in names:
-                if same:
-                    clusters[n] = prev.of_type(CLUSTER)[n]
-                assignments[n] = prev.of_type(ENDPOINT)[n]
+            if old.routing == m.routing:
+                clusters.update({n: prev.of_type(CLUSTER)[n] for n in names})
+            else:
+                for c in translate.build_clusters(m):
+                    clusters[c.name] = Resource.of(CLUSTER, c.name, c)
+            assignments.update({n: prev.of_type(ENDPOINT)[n] for n in names})
             continue
         for c in translate.build_clusters(m):
             clusters[c.name] = Resource.of(CLUSTER, c.name, c)

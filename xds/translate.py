@@ -461,13 +461,14 @@ def build_routes(catalog: Catalog) -> route.RouteConfiguration:
     for m in sorted(catalog.models, key=lambda m: m.name):
         action = _model_action(m, cluster_name(m.name))
         session = m.routing.session_header
+        if session:
+            sticky = _model_action(m, affinity_cluster_name(m.name))
+            sticky.hash_policy = [route.RouteActionHashPolicy(
+                header=route.RouteActionHashPolicyHeader(header_name=session))]
         for n in m.names:
             if session:
                 # Requests with the session header hash to one replica; the route
                 # comes first so it wins over the load-balanced one.
-                sticky = _model_action(m, affinity_cluster_name(m.name))
-                sticky.hash_policy = [route.RouteActionHashPolicy(
-                    header=route.RouteActionHashPolicyHeader(header_name=session))]
                 routes.append(route.Route(name=f"model:{n}:session",
                                           match=_model_match(n, session), route=sticky))
             routes.append(route.Route(name=f"model:{n}", match=_model_match(n), route=action,
