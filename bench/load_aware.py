@@ -27,10 +27,17 @@ of each run are warm-up (weights to settle) and are not counted.
 Load: 13.5 requests/s, about 90% of the pair's capacity (10.8 + 4 requests/s), so
 where the requests go decides whether queues form. Each policy runs --repeat times,
 interleaved with the others (a run's p99 is noisy on a shared 2-core machine); the
-table gives medians and the range of p99 across rounds.
+table gives medians, the range of p99 across rounds, and the p99 of all rounds'
+requests pooled.
+
+Arrivals are evenly spaced by default; `--arrivals poisson` draws exponential gaps
+(as vLLM's benchmark_serving does by default), the same sequence for every balancer
+of a round. Even spacing favours any fixed rotation (a deterministic pattern with the
+right ratio never queues); Poisson bursts are what in-flight-aware picks are for.
 
 Run:  .venv/bin/python bench/load_aware.py [--rate 13.5] [--seconds 25] [--warmup 8]
-                                           [--repeat 3] [--policies "llmgw weighted,..."]
+                  [--repeat 3] [--arrivals fixed|poisson] [--policies "llmgw weighted,..."]
+                  [--name load_aware]
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import random
 import statistics
 import sys
 import tempfile
@@ -107,8 +115,12 @@ async def wait_idle(ports: list[int], s: aiohttp.ClientSession, timeout: float =
     raise RuntimeError("engines did not go idle between runs")
 
 
-async def open_loop(url: str, rate: float, seconds: float) -> list[Req]:
-    """Streaming requests at a fixed rate; each timed to its first chunk and its end."""
+async def open_loop(url: str, rate: float, seconds: float,
+                    gaps: random.Random | None = None) -> list[Req]:
+    """Streaming requests at `rate`; each timed to its first chunk and its end.
+
+    Evenly spaced, or with exponential gaps (Poisson arrivals, as vLLM's
+    benchmark_serving sends by default) drawn from `gaps`."""
     out: list[Req] = []
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 50}],
             "max_tokens": MAX_TOKENS, "stream": True}
@@ -131,11 +143,11 @@ async def open_loop(url: str, rate: float, seconds: float) -> list[Req]:
                                      connector=aiohttp.TCPConnector(limit=0)) as s:
         tasks = []
         t0 = time.monotonic()
-        n = 0
-        while (due := t0 + n / rate) < t0 + seconds:
+        due = t0
+        while due < t0 + seconds:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             tasks.append(asyncio.create_task(one(s)))
-            n += 1
+            due += gaps.expovariate(rate) if gaps else 1.0 / rate
         await asyncio.gather(*tasks)
     return out
 
@@ -189,17 +201,23 @@ async def start_balancer(kind: str, policy: str, ports: list[int], work: Path) -
 
 
 async def measure(name: str, kind: str, policy: str, ports: list[int], work: Path,
-                  s: aiohttp.ClientSession, a: argparse.Namespace) -> dict[str, Any]:
-    """One run of one balancer: warm-up, then the measured open loop."""
+                  s: aiohttp.ClientSession, a: argparse.Namespace,
+                  rnd: int) -> dict[str, Any]:
+    """One run of one balancer: warm-up, then the measured open loop.
+
+    With Poisson arrivals every balancer of a round gets the same arrival times."""
+    def gaps(part: int) -> random.Random | None:
+        return random.Random(rnd * 2 + part) if a.arrivals == "poisson" else None
+
     await wait_idle(ports, s)
     bal = await start_balancer(kind, policy, ports, work)
     if bal.unavailable:
         return {"policy": name, "unavailable": bal.unavailable}
     try:
-        await open_loop(bal.url, a.rate, a.warmup)
+        await open_loop(bal.url, a.rate, a.warmup, gaps(0))
         before = [await engine_served(x, s) for x in ports]
         t0 = time.monotonic()
-        reqs = await open_loop(bal.url, a.rate, a.seconds)
+        reqs = await open_loop(bal.url, a.rate, a.seconds, gaps(1))
         wall = time.monotonic() - t0
         after = [await engine_served(x, s) for x in ports]
     finally:
@@ -212,6 +230,7 @@ async def measure(name: str, kind: str, policy: str, ports: list[int], work: Pat
         "requests": len(reqs), "failed": len(reqs) - len(ok),
         "throughput_rps": len(ok) / wall,
         "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
+        "ttfts_ms": [round(x, 1) for x in ttfts],
         "e2e_p99_ms": pct([r.total * 1000 for r in ok], 0.99),
         "slow_share": served[1] / max(1.0, sum(served)),
     }
@@ -226,6 +245,8 @@ def aggregate(name: str, rs: list[dict[str, Any]]) -> dict[str, Any]:
     out["failed"] = sum(r["failed"] for r in rs)
     out["ttft_p99_min_ms"] = min(r["ttft_p99_ms"] for r in rs)
     out["ttft_p99_max_ms"] = max(r["ttft_p99_ms"] for r in rs)
+    # Every request of every round together: one bad round weighs as much as it hurt.
+    out["ttft_p99_pooled_ms"] = pct([x for r in rs for x in r["ttfts_ms"]], 0.99)
     return out
 
 
@@ -244,6 +265,9 @@ async def main() -> None:
     ap.add_argument("--policies", default=",".join(name for name, _, _ in POLICIES))
     ap.add_argument("--repeat", type=int, default=3,
                     help="rounds over every policy (interleaved); medians are reported")
+    ap.add_argument("--arrivals", choices=("fixed", "poisson"), default="fixed",
+                    help="evenly spaced requests, or Poisson (same seed per round)")
+    ap.add_argument("--name", default="load_aware", help="result file name (JSON, PNG)")
     a = ap.parse_args()
     wanted = set(a.policies.split(","))
     work = Path(tempfile.mkdtemp(prefix="llmgw-load-aware-"))
@@ -265,7 +289,7 @@ async def main() -> None:
                 for name, kind, policy in POLICIES:
                     if name not in wanted or name in unavailable:
                         continue
-                    row = await measure(name, kind, policy, ports, work, s, a)
+                    row = await measure(name, kind, policy, ports, work, s, a, rnd)
                     if "unavailable" in row:
                         unavailable[name] = row["unavailable"]
                         print(f"{name}: cannot run here: {row['unavailable']}", flush=True)
@@ -281,19 +305,22 @@ async def main() -> None:
             e.wait(10)
     done = [aggregate(name, rs) for name, rs in runs.items()]
     cols = ["policy", "requests", "failed", "throughput_rps", "ttft_p50_ms", "ttft_p99_ms",
-            "ttft_p99_min_ms", "ttft_p99_max_ms", "e2e_p99_ms", "slow_share"]
-    print_table(f"one replica decoding {SLOWDOWN:g}x slower, {a.rate:g} req/s, {a.seconds:g} s "
-                f"per run; median of {a.repeat} rounds (p99 min/max across rounds)", cols,
+            "ttft_p99_min_ms", "ttft_p99_max_ms", "ttft_p99_pooled_ms", "e2e_p99_ms", "slow_share"]
+    print_table(f"one replica decoding {SLOWDOWN:g}x slower, {a.rate:g} req/s ({a.arrivals} "
+                f"arrivals), {a.seconds:g} s "
+                f"per run; median of {a.repeat} rounds (p99 min/max across rounds; pooled: "
+                f"p99 of all rounds' requests together)", cols,
                 [[r[c] for c in cols] for r in done])
     for name, why in unavailable.items():
         print(f"{name}: not measured: {why}")
     rows = done + [{"policy": n, "unavailable": w} for n, w in unavailable.items()]
-    out = write_json("load_aware", {
-        "rate_rps": a.rate, "seconds": a.seconds, "warmup_s": a.warmup, "rounds": a.repeat,
+    out = write_json(a.name, {
+        "rate_rps": a.rate, "arrivals": a.arrivals, "seconds": a.seconds,
+        "warmup_s": a.warmup, "rounds": a.repeat,
         "runs": runs,
         "engine_args": ENGINE_ARGS, "max_tokens": MAX_TOKENS,
         "slow_decode_slowdown": SLOWDOWN, "results": rows})
-    png = png_path("load_aware")
+    png = png_path(a.name)
     plot(done, png)
     print(f"wrote {out} and {png}")
 

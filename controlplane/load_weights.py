@@ -58,7 +58,7 @@ class LoadWeights:
     """Turns each new load view into `publish(model, weights)` calls, with hysteresis."""
 
     def __init__(self, publish: Callable[[str, Mapping[str, int]], object], *,
-                 band: float = 0.25, min_interval_s: float = 2.0, alpha: float = 0.5,
+                 band: float = 0.1, min_interval_s: float = 2.0, alpha: float = 0.5,
                  enabled: Callable[[str], bool] = lambda _m: True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._publish = publish
