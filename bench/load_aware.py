@@ -35,8 +35,15 @@ Arrivals are evenly spaced by default; `--arrivals poisson` draws exponential ga
 of a round. Even spacing favours any fixed rotation (a deterministic pattern with the
 right ratio never queues); Poisson bursts are what in-flight-aware picks are for.
 
+`--gateways 2` runs two instances of every balancer and sends requests to them in
+turn, as behind an L4 load balancer: each instance sees only its own requests in
+flight. llmgw's instances are each a control plane and an Envoy (in a deployment, one
+control plane feeds every Envoy; each here computes the same weights from the same
+engines' /metrics, so the stand-in changes nothing Envoy sees).
+
 Run:  .venv/bin/python bench/load_aware.py [--rate 13.5] [--seconds 25] [--warmup 8]
-                  [--repeat 3] [--arrivals fixed|poisson] [--policies "llmgw weighted,..."]
+                  [--repeat 3] [--arrivals fixed|poisson] [--gateways 1]
+                  [--policies "llmgw weighted,..."]
                   [--name load_aware]
 """
 
@@ -115,9 +122,10 @@ async def wait_idle(ports: list[int], s: aiohttp.ClientSession, timeout: float =
     raise RuntimeError("engines did not go idle between runs")
 
 
-async def open_loop(url: str, rate: float, seconds: float,
+async def open_loop(urls: list[str], rate: float, seconds: float,
                     gaps: random.Random | None = None) -> list[Req]:
-    """Streaming requests at `rate`; each timed to its first chunk and its end.
+    """Streaming requests at `rate`, taking the gateways in turn; each timed to its
+    first chunk and its end.
 
     Evenly spaced, or with exponential gaps (Poisson arrivals, as vLLM's
     benchmark_serving sends by default) drawn from `gaps`."""
@@ -125,7 +133,7 @@ async def open_loop(url: str, rate: float, seconds: float,
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 50}],
             "max_tokens": MAX_TOKENS, "stream": True}
 
-    async def one(s: aiohttp.ClientSession) -> None:
+    async def one(s: aiohttp.ClientSession, url: str) -> None:
         t0 = time.monotonic()
         first: float | None = None
         ok = False
@@ -141,20 +149,21 @@ async def open_loop(url: str, rate: float, seconds: float,
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as s:
-        tasks = []
+        tasks: list[asyncio.Task[None]] = []
         t0 = time.monotonic()
         due = t0
         while due < t0 + seconds:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
-            tasks.append(asyncio.create_task(one(s)))
+            tasks.append(asyncio.create_task(one(s, urls[len(tasks) % len(urls)])))
             due += gaps.expovariate(rate) if gaps else 1.0 / rate
         await asyncio.gather(*tasks)
     return out
 
 
-async def start_balancer(kind: str, policy: str, ports: list[int], work: Path) -> Path_:
+async def start_balancer(kind: str, policy: str, ports: list[int], work: Path,
+                         index: int = 0) -> Path_:
     p = Path_(f"{kind} {policy}")
-    log = work / f"{kind}-{policy}.log"
+    log = work / f"{kind}-{policy}-{index}.log"
     upstreams = [f"http://127.0.0.1:{port}" for port in ports]
     try:
         if kind == "llmgw":
@@ -169,7 +178,7 @@ async def start_balancer(kind: str, policy: str, ports: list[int], work: Path) -
                                                      for x in ports])])
             await cp.start()
             env = EnvoyProcess("127.0.0.1", cp.xds_port, workdir=work,
-                               node_id="la-" + policy.replace(" ", "-"))
+                               node_id=f"la-{policy.replace(' ', '-')}-{index}")
             await env.start()
             await env.wait_listener()
             p.url = f"http://127.0.0.1:{port}"
@@ -210,18 +219,22 @@ async def measure(name: str, kind: str, policy: str, ports: list[int], work: Pat
         return random.Random(rnd * 2 + part) if a.arrivals == "poisson" else None
 
     await wait_idle(ports, s)
-    bal = await start_balancer(kind, policy, ports, work)
-    if bal.unavailable:
-        return {"policy": name, "unavailable": bal.unavailable}
+    bals: list[Path_] = []
     try:
-        await open_loop(bal.url, a.rate, a.warmup, gaps(0))
+        for i in range(a.gateways):
+            bals.append(await start_balancer(kind, policy, ports, work, i))
+            if bals[-1].unavailable:
+                return {"policy": name, "unavailable": bals[-1].unavailable}
+        urls = [b.url for b in bals]
+        await open_loop(urls, a.rate, a.warmup, gaps(0))
         before = [await engine_served(x, s) for x in ports]
         t0 = time.monotonic()
-        reqs = await open_loop(bal.url, a.rate, a.seconds, gaps(1))
+        reqs = await open_loop(urls, a.rate, a.seconds, gaps(1))
         wall = time.monotonic() - t0
         after = [await engine_served(x, s) for x in ports]
     finally:
-        await bal.stop()
+        for b in bals:
+            await b.stop()
     served = [b - x for b, x in zip(after, before, strict=True)]
     ok = [r for r in reqs if r.ok]
     ttfts = [r.ttft * 1000 for r in ok if r.ttft is not None]
@@ -267,6 +280,9 @@ async def main() -> None:
                     help="rounds over every policy (interleaved); medians are reported")
     ap.add_argument("--arrivals", choices=("fixed", "poisson"), default="fixed",
                     help="evenly spaced requests, or Poisson (same seed per round)")
+    ap.add_argument("--gateways", type=int, default=1,
+                    help="instances of each balancer, taking requests in turn (as behind an "
+                         "L4 load balancer): each sees only its own share in flight")
     ap.add_argument("--name", default="load_aware", help="result file name (JSON, PNG)")
     a = ap.parse_args()
     wanted = set(a.policies.split(","))
@@ -307,7 +323,7 @@ async def main() -> None:
     cols = ["policy", "requests", "failed", "throughput_rps", "ttft_p50_ms", "ttft_p99_ms",
             "ttft_p99_min_ms", "ttft_p99_max_ms", "ttft_p99_pooled_ms", "e2e_p99_ms", "slow_share"]
     print_table(f"one replica decoding {SLOWDOWN:g}x slower, {a.rate:g} req/s ({a.arrivals} "
-                f"arrivals), {a.seconds:g} s "
+                f"arrivals, {a.gateways} gateway(s)), {a.seconds:g} s "
                 f"per run; median of {a.repeat} rounds (p99 min/max across rounds; pooled: "
                 f"p99 of all rounds' requests together)", cols,
                 [[r[c] for c in cols] for r in done])
@@ -315,7 +331,8 @@ async def main() -> None:
         print(f"{name}: not measured: {why}")
     rows = done + [{"policy": n, "unavailable": w} for n, w in unavailable.items()]
     out = write_json(a.name, {
-        "rate_rps": a.rate, "arrivals": a.arrivals, "seconds": a.seconds,
+        "rate_rps": a.rate, "arrivals": a.arrivals, "gateways": a.gateways,
+        "seconds": a.seconds,
         "warmup_s": a.warmup, "rounds": a.repeat,
         "runs": runs,
         "engine_args": ENGINE_ARGS, "max_tokens": MAX_TOKENS,
