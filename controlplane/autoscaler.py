@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from controlplane.catalog import Catalog, Model
 from controlplane.load_poller import LoadView, ReplicaLoad, by_model
+from controlplane.metrics import AUTOSCALE_DECISIONS
 
 log = logging.getLogger("llmgw.autoscaler")
 
@@ -97,5 +98,6 @@ class Autoscaler:
         d = ScaleDecision(m.name, self.wall(), old, new, reason)
         self.decisions.append(d)
         log.info("autoscale %s: %d -> %d replicas (%s)", m.name, old, new, reason)
+        AUTOSCALE_DECISIONS.labels(m.name, "up" if new > old else "down").inc()
         self._apply(m.name, new)
         return d

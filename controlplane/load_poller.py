@@ -21,6 +21,7 @@ import aiohttp
 
 from controlplane.endpoints import Endpoint
 from controlplane.engine_metrics import EngineLoad, MetricsFormatError, parse_engine_metrics
+from controlplane.metrics import LOAD_SCRAPES
 
 log = logging.getLogger("llmgw.load")
 
@@ -135,7 +136,9 @@ class LoadPoller:
             why = str(err) or type(err).__name__
             if before is None or before.ok:
                 log.warning("cannot read load of %s replica %s: %s", e.model, e.address, why)
+            LOAD_SCRAPES.labels(e.model, "error").inc()
             return ReplicaLoad(e.model, e.address, now, ok=False, error=why)
+        LOAD_SCRAPES.labels(e.model, "ok").inc()
         return ReplicaLoad(e.model, e.address, now, running=load.running, waiting=load.waiting,
                            kv_usage=load.kv_usage, ttft_s=_recent_ttft(load, before),
                            decode_tps=_decode_rate(load, now, before), raw=load)

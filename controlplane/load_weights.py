@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from controlplane.load_poller import LoadView, ReplicaLoad, by_model
+from controlplane.metrics import WEIGHT_UPDATES
 
 log = logging.getLogger("llmgw.weights")
 
@@ -118,6 +119,7 @@ class LoadWeights:
         st.published, st.pushed_at = target, now
         log.info("load weights of %s: %s", model,
                  ", ".join(f"{a}={w}" for a, w in sorted(target.items())) or "equal")
+        WEIGHT_UPDATES.labels(model).inc()
         self._publish(model, target)
 
     def _moved(self, old: Mapping[str, int], new: Mapping[str, int]) -> bool:

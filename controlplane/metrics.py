@@ -1,8 +1,10 @@
 """Control-plane metrics for Prometheus, read from immutable views at scrape time.
 
-Owns the fleet gauges (nodes by state, replicas by model and state, GPUs used and free)
-and the reconciler's action counter. One collector serves every control plane in the
-process (tests run several), so metric names are registered once.
+Owns the fleet gauges (nodes by state, replicas by model and state, GPUs used and free),
+the engine-load gauges (each replica's polled load and published weight), and the
+counters of the reconciler, the load poller, the weights and the autoscaler. One
+collector serves every control plane in the process (tests run several), so metric
+names are registered once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ if TYPE_CHECKING:
 RECONCILER_ACTIONS = Counter("llmgw_reconciler_actions", "Actions the reconciler took",
                              ["action", "model"])
 CATALOG_RELOADS = Counter("llmgw_catalog_reloads", "Catalog file reloads", ["result"])
+LOAD_SCRAPES = Counter("llmgw_load_scrapes", "Engine /metrics scrapes by the load poller",
+                       ["model", "result"])
+WEIGHT_UPDATES = Counter("llmgw_load_weight_updates",
+                         "Load-weight updates sent to Envoy (endpoint-only)", ["model"])
+AUTOSCALE_DECISIONS = Counter("llmgw_autoscale_decisions", "Autoscaler decisions",
+                              ["model", "direction"])
 
 _planes: weakref.WeakSet[ControlPlane] = weakref.WeakSet()
 
@@ -34,6 +42,12 @@ class _FleetCollector(Collector):
         gpus = GaugeMetricFamily("llmgw_gpus", "GPUs by node and use", labels=["node", "use"])
         endpoints = GaugeMetricFamily("llmgw_published_endpoints",
                                       "Endpoints published to Envoy per model", labels=["model"])
+        load = GaugeMetricFamily("llmgw_replica_load",
+                                 "Last polled engine load (running, waiting, kv_usage)",
+                                 labels=["model", "replica", "measure"])
+        weights = GaugeMetricFamily("llmgw_load_weight",
+                                    "Load weight published to Envoy (absent: equal weights)",
+                                    labels=["model", "replica"])
         node_states: Tally[str] = Tally()
         rep: Tally[tuple[str, str]] = Tally()
         for cp in list(_planes):
@@ -47,11 +61,19 @@ class _FleetCollector(Collector):
                     rep[(r.model, str(r.state))] += 1
             for model, eps in cp.publisher.endpoints().items():
                 endpoints.add_metric([model], len(eps))
+            for rl in (cp.load.view.values() if cp.load is not None else ()):
+                if rl.ok:
+                    for measure, v in (("running", rl.running), ("waiting", rl.waiting),
+                                       ("kv_usage", rl.kv_usage)):
+                        load.add_metric([rl.model, rl.address, measure], v)
+            for model, ws in cp.publisher.weights().items():
+                for address, w in ws.items():
+                    weights.add_metric([model, address], w)
         for state, count in sorted(node_states.items()):
             nodes.add_metric([state], count)
         for (model, state), count in sorted(rep.items()):
             replicas.add_metric([model, state], count)
-        yield from (nodes, replicas, gpus, endpoints)
+        yield from (nodes, replicas, gpus, endpoints, load, weights)
 
 
 REGISTRY.register(_FleetCollector())

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import REGISTRY
 
 from bench.harness import Fleet, Load
 
@@ -47,6 +48,12 @@ async def test_scales_up_under_sustained_queue_and_back_down_without_failures(
     fleet: Fleet, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="llmgw.autoscaler")
+
+    def decided(direction: str) -> float:
+        return REGISTRY.get_sample_value("llmgw_autoscale_decisions_total",
+                                         {"model": "m", "direction": direction}) or 0.0
+
+    counted = {d: decided(d) for d in ("up", "down")}
     await fleet.converged({"m": 1})
     assert fleet.cp is not None and fleet.cp.autoscaler is not None
     # 12 clients against a replica that runs 2 at a time: a queue that lasts.
@@ -73,3 +80,4 @@ async def test_scales_up_under_sustained_queue_and_back_down_without_failures(
     assert [(d["from_replicas"], d["to_replicas"]) for d in doc["autoscaler"]] == [
         (1, 2), (2, 3), (3, 2), (2, 1)]
     assert doc["models"][0]["autoscale"] is True
+    assert {d: decided(d) - n for d, n in counted.items()} == {"up": 2, "down": 2}

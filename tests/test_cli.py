@@ -110,7 +110,9 @@ async def test_envoy_command_and_status(tmp_path: Path) -> None:
             metrics = await r.text()
         for name in ("llmgw_xds_pushes_total", "llmgw_xds_nacks_total", "llmgw_nodes",
                      "llmgw_replicas", "llmgw_gpus", "llmgw_published_endpoints",
-                     "llmgw_reconciler_actions", "llmgw_catalog_reloads", "llmgw_agent_streams"):
+                     "llmgw_reconciler_actions", "llmgw_catalog_reloads", "llmgw_agent_streams",
+                     "llmgw_replica_load", "llmgw_load_weight", "llmgw_load_scrapes",
+                     "llmgw_load_weight_updates", "llmgw_autoscale_decisions"):
             assert f"# TYPE {name}" in metrics or f"# HELP {name}" in metrics, name
         # A second Envoy on the same admin port fails loudly.
         rc, text = await llmgw("envoy", "--xds", f"127.0.0.1:{cp.xds_port}", "--admin",

@@ -8,6 +8,7 @@ import time
 from collections import Counter
 
 import pytest
+from prometheus_client import REGISTRY
 
 from bench.harness import Load
 from xds.translate import affinity_cluster_name, cluster_name
@@ -74,6 +75,17 @@ async def test_poller_weights_are_eds_only_and_keep_host_state(
     eps = {e["address"]: e for e in doc["models"][0]["endpoints"]}
     assert eps[slow.endpoint("m").address]["weight"] == w[slow.port]
     assert "running" in eps[fast.endpoint("m").address]["load"]
+    # ... and Prometheus does: the published weight, the polled load, the counters.
+    slow_addr = slow.endpoint("m").address
+    assert REGISTRY.get_sample_value(
+        "llmgw_load_weight", {"model": "m", "replica": slow_addr}) == w[slow.port]
+    assert REGISTRY.get_sample_value(
+        "llmgw_replica_load", {"model": "m", "replica": slow_addr, "measure": "running"}
+    ) is not None
+    assert (REGISTRY.get_sample_value("llmgw_load_scrapes_total",
+                                      {"model": "m", "result": "ok"}) or 0) > 0
+    assert (REGISTRY.get_sample_value("llmgw_load_weight_updates_total",
+                                      {"model": "m"}) or 0) >= 1
 
 
 async def test_orca_weights_come_from_engine_reports(
