@@ -319,6 +319,9 @@ async def _served_more(gw: Gateway, than: int) -> bool:
     [
         ("POST", "/v1/chat/completions", {"model": "nope"}, "json", 404, "model_not_found"),
         ("POST", "/v1/chat/completions", "{not json", "application/json", 400, "invalid_json"),
+        # `curl -d` sends valid JSON as a form: refused with the content type named.
+        ("POST", "/v1/chat/completions", '{"model": "model-a"}',
+         "application/x-www-form-urlencoded", 400, "invalid_json"),
         ("POST", "/v1/chat/completions", {"messages": []}, "json", 400, "missing_model"),
         ("POST", "/v1/chat/completions", [1, 2], "json", 400, "missing_model"),
         ("GET", "/v1/chat/completions", None, None, 400, "missing_model"),
@@ -350,6 +353,8 @@ async def test_openai_errors(
     assert doc["error"]["type"] in ("invalid_request_error", "server_error")
     if code == "model_not_found":
         assert "'nope'" in doc["error"]["message"]
+    if code == "invalid_json":
+        assert "content-type: application/json" in doc["error"]["message"]
 
 
 async def test_models_list_is_served_by_envoy(

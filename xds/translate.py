@@ -491,8 +491,11 @@ def build_routes(catalog: Catalog) -> route.RouteConfiguration:
             match=_model_match(INVALID_BODY),
             direct_response=_json_direct(
                 400,
+                # json_to_metadata refuses both: a hint saves a `curl -d` user a search.
                 openai_error(
-                    "The request body is not valid JSON", "invalid_request_error", "invalid_json"
+                    "The request body is not valid JSON, or was not sent with "
+                    "content-type: application/json",
+                    "invalid_request_error", "invalid_json",
                 ),
             ),
         ),
