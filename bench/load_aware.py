@@ -33,7 +33,7 @@ requests pooled.
 Arrivals are evenly spaced by default; `--arrivals poisson` draws exponential gaps
 (as vLLM's benchmark_serving does by default), the same sequence for every balancer
 of a round. Even spacing favours any fixed rotation (a deterministic pattern with the
-right ratio never queues); Poisson bursts are what in-flight-aware picks are for.
+right ratio need never queue); Poisson bursts are what in-flight-aware picks are for.
 
 `--gateways 2` runs two instances of every balancer and sends requests to them in
 turn, as behind an L4 load balancer: each instance sees only its own requests in
